@@ -1,0 +1,275 @@
+"""The tensor-moving interface: point-to-point and collective operations with deadlines and byte accounting.
+
+Strategies move every tensor through a `Comm`; none touches torch.distributed. Peers are always named by
+their global rank. Every blocking call waits at most `deadline_s` and then raises `CommTimeout` naming the
+operation and the peer. Bytes are counted per peer by the shared `ByteCounter`:
+
+- point-to-point: the exact payload (and, for frames, the 8-byte length prefix);
+- native collectives run the backend's ring algorithm, so a worker sends and receives exactly what a ring
+  moves: 2(N-1)/N of the tensor for all-reduce, (N-1) chunks for all-gather; a broadcast root sends the
+  tensor to each of the N-1 others. (Emulated deployments run collectives as explicit point-to-point
+  rounds instead, where each message is counted as it is sent.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fast.comm.accounting import ByteCounter
+from fast.errors import CommError, CommTimeout
+
+
+class Handle:
+    """A pending operation. `wait()` enforces the deadline and returns the operation's result."""
+
+    def __init__(
+        self,
+        work: Any,
+        op: str,
+        peer: str,
+        deadline_s: float,
+        result: Any = None,
+        on_done: Callable[[], Any] | None = None,
+    ) -> None:
+        self._work, self.op, self.peer, self.deadline_s = work, op, peer, deadline_s
+        self._result, self._on_done, self._done = result, on_done, work is None
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self) -> Any:
+        if not self._done:
+            try:
+                self._work.wait(timedelta(seconds=self.deadline_s))
+            except Exception as e:  # the backend's timeout and connection errors both end here
+                raise _comm_error(self.op, self.peer, self.deadline_s, e) from None
+            self._done = True
+            if self._on_done is not None:
+                out = self._on_done()
+                self._result = out if out is not None else self._result
+        return self._result
+
+
+def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        return CommTimeout(
+            f"{op} with {peer} passed its {deadline_s:g}s deadline: the peer is gone or stuck "
+            f"(raise run.deadline_s if it is only slow)"
+        )
+    return CommError(f"{op} with {peer} failed: {text}")
+
+
+class Comm:
+    """One worker's view of a communication group (the main group or a background channel)."""
+
+    def __init__(
+        self,
+        *,
+        group: Any = None,
+        deadline_s: float = 60.0,
+        device: torch.device | str = "cpu",
+        counter: ByteCounter | None = None,
+        ranks: list[int] | None = None,
+    ) -> None:
+        self.group = group
+        self.deadline_s = deadline_s
+        self.device = torch.device(device)
+        self.counter = counter or ByteCounter()
+        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
+        self.rank = dist.get_rank()
+        self._channels: list[Comm] = []
+
+    # -- who ---------------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def index(self, rank: int | None = None) -> int:
+        """Position of a global rank inside this group."""
+        return self.ranks.index(self.rank if rank is None else rank)
+
+    # -- groups ------------------------------------------------------------------------------------------
+    def channel(self) -> Comm:
+        """A separate gloo group over the same ranks, for background threads (collective: all ranks call it)."""
+        group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=self.deadline_s))
+        comm = Comm(
+            group=group, deadline_s=self.deadline_s, device="cpu", counter=self.counter, ranks=self.ranks
+        )
+        self._channels.append(comm)
+        return comm
+
+    def subgroups(self, partition: list[list[int]]) -> Comm | None:
+        """Split into groups (collective: every rank calls with the same partition); returns this rank's."""
+        mine = None
+        backend = dist.get_backend(self.group)
+        for ranks in partition:
+            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.deadline_s))
+            if self.rank in ranks:
+                mine = Comm(
+                    group=group,
+                    deadline_s=self.deadline_s,
+                    device=self.device,
+                    counter=self.counter,
+                    ranks=list(ranks),
+                )
+        return mine
+
+    def unmetered(self) -> Any:
+        """Context in which traffic is measurement only and is not counted in bytes_sent."""
+        return self.counter.unmetered()
+
+    # -- point to point ----------------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
+        return Handle(work, "send", f"worker {dst}", self.deadline_s)
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
+        work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
+
+        def done() -> torch.Tensor:
+            peer = src if src is not None else work.source_rank()
+            self.counter.add_received(peer, tensor.numel() * tensor.element_size())
+            return tensor
+
+        return Handle(
+            work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
+        return self.irecv(tensor, src, tag).wait()
+
+    def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
+        """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
+        work = dist.irecv(tensor, src=None, group=self.group, tag=tag)
+        Handle(work, "recv", "any worker", self.deadline_s).wait()
+        peer = work.source_rank()
+        self.counter.add_received(peer, tensor.numel() * tensor.element_size())
+        return peer
+
+    def send_bytes(self, payload: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send a variable-length uint8 payload (a codec frame): an 8-byte length, then the bytes."""
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.send(length, dst, tag)
+        if payload.numel():
+            self.send(payload.contiguous(), dst, tag)
+
+    def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
+        """Receive a payload sent by `send_bytes`, from `src` or from whichever peer comes first."""
+        length = torch.zeros(1, dtype=torch.int64)
+        peer = self.recv_from(length, tag) if src is None else (self.recv(length, src, tag), src)[1]
+        n = int(length.item())
+        if n < 0 or n > (1 << 34):
+            raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+        payload = torch.empty(n, dtype=torch.uint8)
+        if n:
+            self.recv(payload, peer, tag)
+        return peer, payload
+
+    # -- collectives -------------------------------------------------------------------------------------
+    def _ring_neighbours(self) -> tuple[int, int]:
+        i = self.index()
+        return self.ranks[(i + 1) % self.size], self.ranks[(i - 1) % self.size]
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
+    ) -> Handle | torch.Tensor:
+        """Sum (or average, op="mean") `tensor` in place across the group."""
+        if op not in ("sum", "mean", "max", "min"):
+            raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
+        reduce_op = {
+            "sum": dist.ReduceOp.SUM,
+            "mean": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }[op]
+        handle = self._collective(
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
+            "all_reduce",
+            tensor,
+            2 * (self.size - 1) / self.size,
+            on_done=(lambda: tensor.div_(self.size)) if op == "mean" else None,
+            result=tensor,
+        )
+        return handle if async_op else handle.wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's `tensor` (all of the same shape), in group order."""
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        handle = self._collective(
+            lambda: dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
+            "all_gather",
+            tensor,
+            self.size - 1,
+            result=out,
+        )
+        return handle.wait()
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's variable-length uint8 payload: lengths first, then padded payloads, trimmed."""
+        lengths = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
+        longest = int(max(int(n) for n in lengths))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[: payload.numel()] = payload
+        return [p[: int(n)] for p, n in zip(self.all_gather(padded), lengths, strict=True)]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Copy `tensor` from global rank `src` to every member, in place."""
+        share = (self.size - 1) if self.rank == src else 0
+        handle = self._collective(
+            lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True),
+            "broadcast",
+            tensor,
+            share,
+            result=tensor,
+            receive_share=0 if self.rank == src else 1,
+        )
+        return handle.wait()
+
+    def barrier(self) -> None:
+        """Wait until every member arrives (control traffic: not counted)."""
+        flag = torch.zeros(1, device=self.device)
+        with self.unmetered():
+            self._collective(
+                lambda: dist.all_reduce(flag, group=self.group, async_op=True), "barrier", flag, 0
+            ).wait()
+
+    def _collective(
+        self,
+        start: Callable[[], Any],
+        op: str,
+        tensor: torch.Tensor,
+        send_share: float,
+        *,
+        on_done: Callable[[], Any] | None = None,
+        result: Any = None,
+        receive_share: float | None = None,
+    ) -> Handle:
+        if self.size == 1:
+            if on_done is not None:
+                on_done()
+            return Handle(None, op, "the group", self.deadline_s, result)
+        try:
+            work = start()
+        except Exception as e:
+            raise _comm_error(op, f"the group {self.ranks}", self.deadline_s, e) from None
+        nbytes = tensor.numel() * tensor.element_size()
+        right, left = self._ring_neighbours()
+        self.counter.add_sent(right, round(nbytes * send_share))
+        self.counter.add_received(
+            left, round(nbytes * (send_share if receive_share is None else receive_share))
+        )
+        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done)

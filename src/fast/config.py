@@ -1,0 +1,176 @@
+"""The run configuration: TOML in, typed and validated sections out, every error one line naming the key."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fast.errors import ConfigError
+
+
+class Section(BaseModel):
+    """A config table: unknown keys are errors, values are checked, not coerced from strings."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "fast"
+    seed: int = Field(0, ge=0)
+    workers: int = Field(4, ge=1, le=256)
+    epochs: float = Field(3, gt=0)
+    batch_size: int = Field(64, ge=1)
+    eval_every: float = Field(0.5, ge=0, description="epochs between test evaluations; 0 = only at the end")
+    device: Literal["cpu", "cuda"] = "cpu"
+    targets: list[float] = Field(default_factory=lambda: [0.80, 0.85])
+    log_every: int = Field(20, ge=1, description="steps between metric records")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
+    deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
+    threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 = cores / workers")
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+
+    @model_validator(mode="after")
+    def _targets_in_range(self) -> RunConfig:
+        for t in self.targets:
+            if not 0 < t <= 1:
+                raise ValueError(f"targets must be accuracies in (0, 1], got {t}")
+        return self
+
+
+class DataConfig(Section):
+    name: Literal["fashion-mnist", "mnist5k", "digits", "synthetic"] = "fashion-mnist"
+    partition: Literal["iid", "dirichlet"] = "iid"
+    alpha: float = Field(0.5, gt=0)
+    dir: str | None = Field(
+        None, description="folder of the idx files; default $FAST_DATA_DIR or the Debian one"
+    )
+    synthetic_train: int = Field(2048, ge=16)
+    synthetic_test: int = Field(512, ge=16)
+
+
+class ModelConfig(Section):
+    name: Literal["mlp", "lenet", "lstm", "resnet8"] = "lenet"
+
+
+class OptimizerConfig(Section):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.05, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    nesterov: bool = False
+
+
+class OpenSection(BaseModel):
+    """A table whose keys beyond `name` belong to the named component, which validates them itself."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class StrategyConfig(OpenSection):
+    name: str = "sync"
+
+
+class CodecConfig(OpenSection):
+    name: str = "none"
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    codec: CodecConfig = Field(default_factory=CodecConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"] if p != "__root__") or "config"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return (
+            f"unknown key `{key}`: remove it or check its spelling (see the config reference in the README)"
+        )
+    if kind == "missing":
+        return f"missing key `{key}`: add it to the config"
+    if kind == "literal_error":
+        allowed = first.get("ctx", {}).get("expected", "")
+        return f"`{key}` = {first['input']!r} is not valid: expected {allowed}"
+    return f"`{key}`: {first['msg']} (got {first.get('input')!r}); fix the value in the config or --set"
+
+
+def parse_value(text: str) -> Any:
+    """Read a --set value as TOML (numbers, booleans, strings, lists); bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (`run.workers`, `strategy.staleness`) in a nested dict, creating tables as needed."""
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override `{dotted}` must name a table and a key, e.g. run.workers=4")
+        table = data
+        for part in parts[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override `{dotted}`: `{part}` is a value, not a table")
+        if parts[-1] == "name" and table.get("name") != value and parts[0] in ("strategy", "codec"):
+            table.clear()  # switching strategy or codec drops the old one's options
+        table[parts[-1]] = value
+    return data
+
+
+def load_dict(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: give the path of a TOML file")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def build_config(data: dict[str, Any]) -> Config:
+    """Validate a nested dict into a Config, including strategy and codec options and cross-key checks."""
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+    from fast.strategies import validate_strategy_options
+
+    validate_strategy_options(config)
+    return config
+
+
+def load_config(source: str | Path | dict[str, Any] | Config | None = None, **overrides: Any) -> Config:
+    """A Config from a TOML path, a dict or a Config, with dotted-key overrides (`run__workers` also works)."""
+    if isinstance(source, Config):
+        data = source.to_dict()
+    elif isinstance(source, dict):
+        data = {k: dict(v) if isinstance(v, dict) else v for k, v in source.items()}
+    elif source is None:
+        data = {}
+    else:
+        data = load_dict(source)
+    dotted = {k.replace("__", "."): v for k, v in overrides.items()}
+    return build_config(apply_overrides(data, dotted))

@@ -1,0 +1,54 @@
+"""The engine: torch.distributed process groups, started by FAST's local launcher or joined under torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fast.comm import Comm
+from fast.errors import ConfigError
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has already set the rendezvous variables."""
+    return all(v in os.environ for v in TORCHRUN_VARIABLES)
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def device_for(kind: str) -> torch.device:
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError('`run.device` = "cuda" but no CUDA device is visible: use device = "cpu"')
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def start(rank: int, world_size: int, addr: str, port: int, device: torch.device, deadline_s: float) -> Comm:
+    """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=deadline_s),
+    )
+    return Comm(deadline_s=deadline_s, device=device)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

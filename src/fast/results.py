@@ -1,0 +1,133 @@
+"""The run's outputs: every process's figures are gathered to rank 0, which writes metrics and summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+import fast
+from fast import checkpoint
+from fast.evaluate import evaluate
+
+if TYPE_CHECKING:
+    from fast.worker import Worker
+
+
+def environment() -> dict[str, Any]:
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "fast_version": fast.__version__,
+        "git_commit": commit,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+
+
+def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] | None:
+    """Collective over all processes: rank 0 writes metrics.jsonl, summary.json and model.pt."""
+    own = {
+        "rank": worker.rank,
+        "server": worker.is_server,
+        "records": worker.records,
+        "staleness": worker.strategy.staleness,
+        "counter": worker.world.counter.snapshot(),
+        "strategy": worker.strategy.summary(),
+        "steps": 0 if worker.is_server else worker.total_steps,
+        "time_s": worker.clock.now() if hasattr(worker, "clock") else 0.0,
+    }
+    if not worker.is_server and worker.strategy.decentralised:
+        correct, _, n = evaluate(worker.model, worker.data.x_test, worker.data.y_test, worker.device)
+        own["own_test_accuracy"] = correct / n
+    payload = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
+    with worker.world.unmetered():
+        parts = worker.world.all_gather_bytes(payload.to(worker.world.device))
+    if worker.rank != 0:
+        return None
+    everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
+    summary = summarize(worker, everyone)
+    run_dir = worker.run_dir
+    records = sorted((r for p in everyone for r in p["records"]), key=lambda r: (r["time_s"], r["worker"]))
+    tmp = run_dir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, run_dir / "metrics.jsonl")
+    if model is not None:
+        checkpoint.save_atomic(
+            {k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt"
+        )
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, run_dir / "summary.json")
+    return summary
+
+
+def summarize(worker: Worker, everyone: list[dict[str, Any]]) -> dict[str, Any]:
+    config, run = worker.config, worker.config.run
+    trainers = [p for p in everyone if not p["server"]]
+    evals = worker.evals
+    final = evals[-1] if evals else {}
+    wall = max(p["time_s"] for p in trainers)
+    samples = sum(p["steps"] for p in trainers) * run.batch_size
+    sent = sum(p["counter"]["bytes_sent"] for p in everyone)
+    uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
+    staleness = [s for p in everyone for s in p["staleness"]]
+    time_to = {}
+    for target in run.targets:
+        hit = next((e["time_s"] for e in evals if e["test_accuracy"] >= target), None)
+        time_to[f"{target:g}"] = hit
+    decentralised = worker.strategy.decentralised
+    summary: dict[str, Any] = {
+        "name": run.name,
+        "strategy": config.strategy.name,
+        "codec": config.codec.name,
+        "workers": run.workers,
+        "servers": len(everyone) - len(trainers),
+        "epochs": run.epochs,
+        "steps_per_worker": worker.total_steps,
+        "final_model": worker.strategy.options.final_model if decentralised else "replica",
+        "final_test_accuracy": final.get("test_accuracy"),
+        "final_test_loss": final.get("test_loss"),
+        "best_test_accuracy": max((e["test_accuracy"] for e in evals), default=None),
+        "wall_time_s": wall,
+        "samples_per_s": samples / wall if wall > 0 else None,
+        "step_time_s": wall / worker.total_steps if worker.total_steps else None,
+        "bytes_sent": sent,
+        "bytes_received": sum(p["counter"]["bytes_received"] for p in everyone),
+        "bytes_sent_uncompressed": uncompressed,
+        "compression_ratio": uncompressed / sent if sent else None,
+        "time_to_accuracy_s": time_to,
+        "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
+        "max_staleness": max(staleness) if staleness else None,
+        "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
+        "replica_divergence": final.get("divergence"),
+        "worker_test_accuracy": [p.get("own_test_accuracy") for p in trainers] if decentralised else None,
+        "evaluations": evals,
+        "config": config.to_dict(),
+        "env": environment(),
+    }
+    for p in everyone:  # strategy figures (a server's included); rank 0's come last and win
+        if p["rank"]:
+            summary.update(p["strategy"])
+    summary.update(everyone[0]["strategy"])
+    return summary

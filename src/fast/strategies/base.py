@@ -1,0 +1,159 @@
+"""The strategy interface: lifecycle hooks the worker calls around each step, and the model it reports.
+
+A strategy decides when and what to communicate and how received tensors enter the replica. It moves
+tensors only through `self.comm` (the workers' group) or `self.world` (workers and servers), never through
+torch.distributed. Subclasses declare their config keys as an `Options` model and override the hooks they
+need; the defaults do nothing, so local training with no communication is `Strategy` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+
+from fast.comm import Comm
+from fast.config import Config, Section
+
+
+class StrategyOptions(Section):
+    """Keys every strategy accepts; subclasses add their own."""
+
+    name: str
+    final_model: str = Field("average", description='"average" | "best" | "worker:K" (decentralised only)')
+
+    @field_validator("final_model")
+    @classmethod
+    def _final_model(cls, value: str) -> str:
+        if value in ("average", "best") or (value.startswith("worker:") and value[7:].isdigit()):
+            return value
+        raise ValueError('expected "average", "best" or "worker:K"')
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy may use: its group, the whole world (servers too), the run's config and a seeded RNG."""
+
+    comm: Comm
+    world: Comm
+    config: Config
+    device: torch.device
+    workers: int
+    rank: int
+    generator: torch.Generator
+    steps_per_epoch: int
+    validation: tuple[torch.Tensor, torch.Tensor] | None = None
+    log: Any = field(default=print)
+
+
+class Strategy:
+    """Base strategy: no communication at all (each worker trains alone); the hooks subclasses override."""
+
+    name: ClassVar[str] = "none"
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    decentralised: ClassVar[bool] = True  # replicas may differ, so `final_model` chooses what is reported
+
+    def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
+        self.options = options
+        self.ctx = ctx
+        self.comm = ctx.comm
+        self.world = ctx.world
+        self.staleness: list[int] = []
+        self.model: nn.Module
+        self.optimizer: torch.optim.Optimizer
+
+    # -- processes -----------------------------------------------------------------------------------------
+    @classmethod
+    def server_count(cls, options: StrategyOptions, workers: int) -> int:
+        """Processes this strategy needs beyond the workers (parameter servers, masters)."""
+        return 0
+
+    @classmethod
+    def check(cls, options: StrategyOptions, config: Config) -> None:
+        """Raise ConfigError for option combinations that cannot work with this config."""
+
+    def serve(self, model: nn.Module) -> None:
+        """The loop of a server process (rank >= workers); only strategies with servers implement it."""
+        raise NotImplementedError(f"strategy {self.name} has no server processes")
+
+    # -- lifecycle hooks --------------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called once before training: every worker starts from rank 0's weights."""
+        self.model, self.optimizer = model, optimizer
+        with self.comm.unmetered():
+            for tensor in model.state_dict().values():
+                if tensor.is_floating_point() or tensor.dtype in (torch.int64, torch.int32):
+                    self.comm.broadcast(tensor.data, src=self.comm.ranks[0])
+
+    def before_step(self, step: int) -> None:
+        """Before the forward pass of global step `step` (0-based, counted per worker)."""
+
+    def after_backward(self, step: int) -> None:
+        """Gradients are in `p.grad`; the optimizer has not stepped yet."""
+
+    def after_optimizer_step(self, step: int) -> None:
+        """The optimizer has updated the replica."""
+
+    def end_of_run(self) -> None:
+        """After the last step, before the final model is chosen (flush, stop threads, tell servers)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def summary(self) -> dict[str, Any]:
+        """Strategy-specific figures added to summary.json."""
+        return {}
+
+    # -- the reported model -----------------------------------------------------------------------------------
+    def flat_parameters(self, model: nn.Module | None = None) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in (model or self.model).parameters()])
+
+    def average_model(self) -> nn.Module:
+        """A copy of the replica holding the average of all workers' weights (measurement-only traffic)."""
+        import copy
+
+        average = copy.deepcopy(self.model)
+        with self.comm.unmetered(), torch.no_grad():
+            for tensor in average.state_dict().values():
+                if tensor.is_floating_point():
+                    self.comm.all_reduce(tensor, op="mean")
+        return average
+
+    def divergence(self) -> float:
+        """Mean over workers of ||w_i - w_mean|| / ||w_mean|| (measurement only; collective)."""
+        with self.comm.unmetered(), torch.no_grad():
+            mine = self.flat_parameters()
+            mean = mine.clone()
+            self.comm.all_reduce(mean, op="mean")
+            ratio = torch.tensor([float((mine - mean).norm() / mean.norm().clamp_min(1e-12))])
+            self.comm.all_reduce(ratio, op="mean")
+        return float(ratio.item())
+
+    def eval_model(self, choice: Literal["average", "best"] | str | None = None) -> nn.Module:
+        """The model the run reports (collective). Synchronous strategies return the replica itself."""
+        if not self.decentralised:
+            return self.model
+        choice = choice or self.options.final_model
+        if choice == "average":
+            return self.average_model()
+        import copy
+
+        chosen = copy.deepcopy(self.model)
+        if choice.startswith("worker:"):
+            src = self.comm.ranks[int(choice[7:]) % self.comm.size]
+        else:  # "best": the replica with the highest accuracy on the validation split
+            from fast.evaluate import accuracy
+
+            x, y = self.ctx.validation
+            scores = self.comm.all_gather(torch.tensor([accuracy(self.model, x, y, self.ctx.device)]))
+            src = self.comm.ranks[int(torch.stack(scores).argmax())]
+        with self.comm.unmetered():
+            for tensor in chosen.state_dict().values():
+                self.comm.broadcast(tensor.data, src=src)
+        return chosen

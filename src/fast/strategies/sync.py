@@ -1,0 +1,115 @@
+"""`sync`: synchronous data parallelism with averaged gradients, bucketed and overlapped with backward.
+
+Gradients are grouped into buckets in the order backward produces them (last layer first). As soon as
+every gradient of a bucket is ready, the bucket's all-reduce starts in the background while backward goes
+on with earlier layers; `after_backward` waits for the buckets and writes the averages back. With
+`hierarchical = G` a bucket is summed inside groups of G consecutive workers, all-reduced among the group
+leaders, then broadcast inside each group (paper 004 Sec. 3, Sync Solver).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fast.comm import Comm, Handle
+from fast.config import Config
+from fast.errors import ConfigError
+from fast.strategies.base import Strategy, StrategyOptions
+
+
+class SyncOptions(StrategyOptions):
+    bucket_mb: float = Field(1.0, gt=0, description="size of a gradient bucket in MB (fp32)")
+    hierarchical: int = Field(0, ge=0, description="group size G for hierarchical all-reduce; 0 = flat")
+
+
+class Bucket:
+    """A run of parameters whose gradients travel together in one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), device=device)
+        self.views = list(torch.split(self.buffer, [p.numel() for p in params]))
+        self.ready = 0
+        self.handle: Handle | None = None
+
+    def fill(self) -> None:
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+
+    def write_back(self) -> None:
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is None:
+                p.grad = view.view_as(p).clone()
+            else:
+                p.grad.copy_(view.view_as(p))
+
+
+class Sync(Strategy):
+    name = "sync"
+    Options = SyncOptions
+    decentralised = False
+
+    @classmethod
+    def check(cls, options: SyncOptions, config: Config) -> None:
+        g = options.hierarchical
+        if g and config.run.workers % g:
+            raise ConfigError(
+                f"`strategy.hierarchical` = {g} does not divide run.workers = {config.run.workers}: "
+                f"choose a group size that divides the number of workers"
+            )
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        self.group: Comm | None = None
+        self.leaders: Comm | None = None
+        g = self.options.hierarchical
+        if g and g < self.comm.size:
+            ranks = self.comm.ranks
+            self.group = self.comm.subgroups([ranks[i : i + g] for i in range(0, len(ranks), g)])
+            self.leaders = self.comm.subgroups([ranks[::g]])
+        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad])
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _make_buckets(self, params: list[nn.Parameter]) -> list[Bucket]:
+        cap = self.options.bucket_mb * 2**20 / 4
+        buckets, current, size = [], [], 0
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            current.append(p)
+            size += p.numel()
+            if size >= cap:
+                buckets.append(Bucket(current, self.ctx.device))
+                current, size = [], 0
+        if current:
+            buckets.append(Bucket(current, self.ctx.device))
+        return buckets
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        bucket = self.bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.fill()
+        first_hop = self.group or self.comm
+        bucket.handle = first_hop.all_reduce(bucket.buffer, async_op=True)
+
+    def after_backward(self, step: int) -> None:
+        for bucket in self.buckets:
+            if bucket.handle is None:  # some parameter got no gradient this step
+                self._launch(bucket)
+            bucket.handle.wait()
+            if self.group is not None:
+                if self.leaders is not None:
+                    self.leaders.all_reduce(bucket.buffer)
+                self.group.broadcast(bucket.buffer, src=self.group.ranks[0])
+            bucket.buffer.div_(self.comm.size)
+            bucket.write_back()
+            bucket.ready, bucket.handle = 0, None

@@ -1,0 +1,321 @@
+"""The worker node (paper 001 Sec. IV): shard, replica, optimizer, step loop, evaluation, metrics, checkpoints.
+
+The user supplies only the per-mini-batch step (default: supervised cross-entropy); the strategy's hooks
+decide what is communicated around it. One step, top to bottom:
+
+    strategy.before_step → loss = step_fn(model, x, y) → loss.backward() → strategy.after_backward
+    → optimizer.step() → strategy.after_optimizer_step
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fast import checkpoint, engine
+from fast.comm import Comm
+from fast.config import Config, OptimizerConfig
+from fast.data import Dataset, load_dataset, partition
+from fast.evaluate import evaluate
+from fast.models import build_model
+from fast.progress import Progress
+from fast.strategies import Strategy, StrategyContext, build_strategy, strategy_class, strategy_options
+
+ModelFn = Callable[[tuple[int, ...], int], nn.Module]
+StepFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The default per-mini-batch step: supervised classification loss."""
+    return F.cross_entropy(model(x), y)
+
+
+@dataclass
+class UserCode:
+    """What a Python user may replace: the model factory and the per-batch step (both picklable)."""
+
+    model_fn: ModelFn | None = None
+    step_fn: StepFn | None = None
+
+
+def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+        )
+    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def server_count(config: Config) -> int:
+    return strategy_class(config.strategy.name).server_count(strategy_options(config), config.run.workers)
+
+
+def steps_per_epoch(shards: list[torch.Tensor], batch_size: int) -> int:
+    """Every worker runs the same number of steps per epoch: the smallest shard decides."""
+    return max(1, min(len(s) for s in shards) // batch_size)
+
+
+class Clock:
+    """Training time from the common start barrier, with evaluation time left out."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.start = time.perf_counter() - offset
+        self.paused = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start - self.paused
+
+    def pause(self) -> Any:
+        clock = self
+
+        class _Paused:
+            def __enter__(self) -> None:
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc: Any) -> None:
+                clock.paused += time.perf_counter() - self.t
+
+        return _Paused()
+
+
+class Worker:
+    """One process of a run; rank < workers trains, higher ranks serve (parameter servers)."""
+
+    def __init__(
+        self, config: Config, run_dir: Path, user: UserCode, world: Comm, rank: int, resume: bool = False
+    ) -> None:
+        self.config, self.run_dir, self.user, self.world, self.rank = config, run_dir, user, world, rank
+        run = config.run
+        self.device = world.device
+        self.workers = run.workers
+        self.is_server = rank >= self.workers
+        # workers and servers each get a group of their own when servers exist
+        if world.size > self.workers:
+            groups = [list(range(self.workers)), list(range(self.workers, world.size))]
+            self.comm = world.subgroups(groups)
+        else:
+            self.comm = world
+        torch.manual_seed(run.seed)
+        self.data: Dataset = load_dataset(
+            config.data.name,
+            seed=run.seed,
+            data_dir=config.data.dir,
+            synthetic_train=config.data.synthetic_train,
+            synthetic_test=config.data.synthetic_test,
+        )
+        shards = partition(
+            self.data.y_train, self.workers, config.data.partition, alpha=config.data.alpha, seed=run.seed
+        )
+        self.steps_per_epoch = steps_per_epoch(shards, run.batch_size)
+        self.total_steps = math.ceil(run.epochs * self.steps_per_epoch)
+        if run.max_steps is not None:
+            self.total_steps = min(self.total_steps, run.max_steps)
+        torch.manual_seed(run.seed)  # every replica starts from the same initial weights
+        model_fn = user.model_fn or (lambda shape, classes: build_model(config.model.name, shape, classes))
+        self.model = model_fn(self.data.input_shape, self.data.num_classes).to(self.device)
+        self.step_fn = user.step_fn or cross_entropy_step
+        self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
+        shard = shards[rank] if not self.is_server else shards[0][:0]
+        self.x, self.y = self.data.x_train[shard].to(self.device), self.data.y_train[shard].to(self.device)
+        # the test set is split across workers for collective evaluation
+        self.x_test, self.y_test = (
+            self.data.x_test[rank :: self.workers],
+            self.data.y_test[rank :: self.workers],
+        )
+        validation = (
+            self.data.x_train[: min(1000, len(self.data.x_train))],
+            self.data.y_train[: min(1000, len(self.data.y_train))],
+        )
+        generator = torch.Generator().manual_seed(run.seed * 7919 + rank)
+        ctx = StrategyContext(
+            comm=self.comm,
+            world=world,
+            config=config,
+            device=self.device,
+            workers=self.workers,
+            rank=rank,
+            generator=generator,
+            steps_per_epoch=self.steps_per_epoch,
+            validation=validation,
+        )
+        self.strategy: Strategy = build_strategy(config, ctx)
+        self.records: list[dict[str, Any]] = []
+        self.evals: list[dict[str, float]] = []
+        self.start_step = 0
+        self.resume = resume
+        self.metrics_file = run_dir / "workers" / f"metrics-{rank}.jsonl"
+        self.progress: Progress | None = None
+
+    # -- data order: a function of (seed, epoch, rank) only, so a resumed run sees the same batches ----------
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if getattr(self, "_perm_epoch", None) != epoch:
+            g = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + epoch * 7919 + self.rank)
+            self._perm = torch.randperm(len(self.x), generator=g).to(self.device)
+            self._perm_epoch = epoch
+        b = self.config.run.batch_size
+        idx = self._perm[i * b : (i + 1) * b]
+        return self.x[idx], self.y[idx]
+
+    def eval_due(self, step: int) -> bool:
+        every = round(self.config.run.eval_every * self.steps_per_epoch)
+        return every > 0 and step % every == 0 and step < self.total_steps
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any] | None:
+        if self.is_server:
+            self.strategy.serve(self.model)
+            return self._finish(None)
+        self.strategy.setup(self.model, self.optimizer)
+        clock_offset = self._restore() if self.resume else 0.0
+        self.world.barrier()
+        self.clock = Clock(clock_offset)
+        if self.rank == 0 and os.environ.get("FAST_PROGRESS", "1") != "0":
+            self.progress = Progress(
+                self.config.run.name,
+                self.total_steps,
+                self.steps_per_epoch,
+                self.config.run.batch_size * self.workers,
+            )
+        log_every = self.config.run.log_every
+        loss_sum, loss_count = 0.0, 0
+        for step in range(self.start_step, self.total_steps):
+            x, y = self.batch(step)
+            self.strategy.before_step(step)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.step_fn(self.model, x, y)
+            loss.backward()
+            self.strategy.after_backward(step)
+            self.optimizer.step()
+            self.strategy.after_optimizer_step(step)
+            loss_sum += float(loss.detach())
+            loss_count += 1
+            done = step + 1
+            if done % log_every == 0 or done == self.total_steps:
+                self._record(done, loss_sum / loss_count)
+                loss_sum, loss_count = 0.0, 0
+            if self.eval_due(done):
+                self._evaluate(done)
+            every = self.config.run.checkpoint_every
+            if every and done % every == 0 and done < self.total_steps:
+                self._checkpoint(done)
+        self.strategy.end_of_run()
+        self._evaluate(self.total_steps)
+        if self.progress is not None:
+            self.progress.close()
+        return self._finish(self.strategy.eval_model())
+
+    def _record(self, step: int, loss: float | None, **extra: Any) -> None:
+        counter = self.world.counter
+        record = {
+            "worker": self.rank,
+            "step": step,
+            "epoch": round(step / self.steps_per_epoch, 4),
+            "time_s": round(self.clock.now(), 4),
+            "samples": step * self.config.run.batch_size,
+            "bytes_sent": counter.bytes_sent,
+            "bytes_received": counter.bytes_received,
+            **extra,
+        }
+        if loss is not None:
+            record["loss"] = loss
+        self.records.append(record)
+        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.metrics_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.progress is not None:
+            self.progress.update(record)
+
+    def _evaluate(self, step: int) -> None:
+        """Collective: test accuracy of the reported model, and replica divergence (measurement only)."""
+        with self.clock.pause():
+            model = self.strategy.eval_model()
+            stats = torch.tensor(evaluate(model, self.x_test, self.y_test, self.device), dtype=torch.float64)
+            with self.comm.unmetered():
+                self.comm.all_reduce(stats)
+                divergence = self.strategy.divergence() if self.strategy.decentralised else 0.0
+        correct, loss, n = stats.tolist()
+        result = {
+            "step": step,
+            "time_s": round(self.clock.now(), 4),
+            "test_accuracy": correct / n,
+            "test_loss": loss / n,
+            "divergence": divergence,
+        }
+        self.evals.append(result)
+        if self.rank == 0:
+            self._record(
+                step, None, kind="eval", test_accuracy=correct / n, test_loss=loss / n, divergence=divergence
+            )
+
+    def _checkpoint(self, step: int) -> None:
+        state = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "time_s": self.clock.now(),
+            "counter": self.world.counter.snapshot(),
+            "records": json.dumps(self.records),
+            "evals": json.dumps(self.evals),
+            "rng": torch.get_rng_state(),
+        }
+        checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.run_dir, self.rank))
+
+    def _restore(self) -> float:
+        path = checkpoint.checkpoint_path(self.run_dir, self.rank)
+        if not path.exists():
+            return 0.0
+        state = checkpoint.load(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_state_dict(state["strategy"])
+        torch.set_rng_state(state["rng"])
+        self.start_step = int(state["step"])
+        self.records, self.evals = json.loads(state["records"]), json.loads(state["evals"])
+        counter = self.world.counter
+        counter.sent.update({int(k): v for k, v in state["counter"]["sent_per_peer"].items()})
+        counter.received.update({int(k): v for k, v in state["counter"]["received_per_peer"].items()})
+        counter.sent_uncompressed = state["counter"]["bytes_sent_uncompressed"]
+        return float(state["time_s"])
+
+    # -- the end: everything goes to rank 0, which writes the outputs --------------------------------------
+    def _finish(self, model: nn.Module | None) -> dict[str, Any] | None:
+        from fast.results import gather_and_write
+
+        return gather_and_write(self, model)
+
+
+def worker_main(config: Config, run_dir: Path, user: UserCode, resume: bool = False) -> dict[str, Any] | None:
+    """Entry point of one process, started by the local launcher or by torchrun."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    device = engine.device_for(config.run.device)
+    world = engine.start(
+        rank,
+        world_size,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        device,
+        config.run.deadline_s,
+    )
+    try:
+        return Worker(config, run_dir, user, world, rank, resume).run()
+    finally:
+        engine.stop()
