@@ -35,9 +35,7 @@ def test_link_parses_config_strings_and_prices_a_message():
     assert WAN.message_time(NBYTES) == pytest.approx(0.42)
 
 
-@pytest.mark.parametrize(
-    "latency, bandwidth", [(-1, 1e6), (0.01, 0), (0.01, -5), (math.nan, 1e6), (0, math.inf)]
-)
+@pytest.mark.parametrize("latency, bandwidth", [(-1, 1e6), (0.01, 0), (0.01, -5), (math.nan, 1e6), (0, math.inf)])
 def test_link_rejects_impossible_values(latency, bandwidth):
     with pytest.raises(ConfigError):
         Link(latency, bandwidth)

@@ -37,6 +37,26 @@ def cmd_topology(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fast.compare import compare
+
+    return 1 if compare(args.config, out=args.out, **_overrides(args.set)).failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fast.compare import rebuild_report
+
+    rebuild_report(args.dir)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from fast.predict import print_predictions
+
+    print_predictions(args.config)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fast", description="Flexible (A)synchronous Scalable Training")
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +72,17 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("spec", help='e.g. "torus:4x4", "ring", "exponential", "random-regular:3"')
     top.add_argument("--workers", "-n", type=int, help="number of workers (implied by torus:RxC)")
     top.set_defaults(func=cmd_topology)
+    pr = sub.add_parser("predict", help="predict each variant's step and epoch time and traffic, without training")
+    pr.add_argument("config", help="TOML config, optionally with [[variant]] tables")
+    pr.set_defaults(func=cmd_predict)
+    c = sub.add_parser("compare", help="run a base job's [[variant]]s one after another and report them")
+    c.add_argument("config", help="TOML config: a base job plus [[variant]] tables overriding its keys")
+    c.add_argument("--out", help="folder for the runs and report.html (default runs/<name>-compare-<time>)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key in all")
+    c.set_defaults(func=cmd_compare)
+    r = sub.add_parser("report", help="rebuild report.html and summary.csv from the run folders in DIR")
+    r.add_argument("dir", help="a folder `fast compare` wrote (its subfolders hold the runs)")
+    r.set_defaults(func=cmd_report)
     return p
 
 

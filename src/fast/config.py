@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fast.deployment import ComputeConfig, FaultsConfig, NetworkConfig, check_deployment
 from fast.errors import ConfigError
 
 
@@ -35,12 +36,13 @@ class RunConfig(Section):
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
 
-    @model_validator(mode="after")
-    def _targets_in_range(self) -> RunConfig:
-        for t in self.targets:
+    @field_validator("targets")
+    @classmethod
+    def _targets_in_range(cls, targets: list[float]) -> list[float]:
+        for t in targets:
             if not 0 < t <= 1:
                 raise ValueError(f"targets must be accuracies in (0, 1], got {t}")
-        return self
+        return targets
 
 
 class DataConfig(Section):
@@ -91,6 +93,9 @@ class Config(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     codec: CodecConfig = Field(default_factory=CodecConfig)
+    network: NetworkConfig | None = Field(None, description="emulated links; none = native communication")
+    compute: ComputeConfig | None = Field(None, description="emulated compute: slowdowns and stragglers")
+    faults: FaultsConfig | None = Field(None, description="injected faults: crashes and links down")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
@@ -159,6 +164,7 @@ def build_config(data: dict[str, Any]) -> Config:
     from fast.strategies import validate_strategy_options
 
     validate_strategy_options(config)
+    check_deployment(config)
     return config
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fast.comm import Comm
+from fast.comm.emulation import EmulatedComm, Network
 from fast.errors import ConfigError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -36,8 +37,17 @@ def device_for(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def start(rank: int, world_size: int, addr: str, port: int, device: torch.device, deadline_s: float) -> Comm:
-    """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`."""
+def start(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    device: torch.device,
+    deadline_s: float,
+    network: Network | None = None,
+) -> Comm:
+    """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`: one whose
+    traffic crosses the emulated links of `network` when given."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -46,6 +56,8 @@ def start(rank: int, world_size: int, addr: str, port: int, device: torch.device
         world_size=world_size,
         timeout=timedelta(seconds=deadline_s),
     )
+    if network is not None:
+        return EmulatedComm(network=network, deadline_s=deadline_s, device=device)
     return Comm(deadline_s=deadline_s, device=device)
 
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from fast.errors import FastError
+from fast.errors import CommError, FastError
 
-GRACE_S = 5.0
+GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
+SETTLE_S = 3.0  # seconds the others get to report after a first failure
 
 
 class WorkerFailed(FastError):
@@ -38,15 +41,16 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
     try:
-        out = fn(*args)
-        results.put((rank, "ok", out))
+        # plain pickle copies tensors (the queue's own pickler would share them through file descriptors
+        # that vanish when this process exits); this is a local pipe between our own processes, not the wire
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException as e:  # report every failure as one line to the launcher
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not isinstance(e, FastError):
             message = f"{type(e).__name__}: {message}"
             if os.environ.get("FAST_DEBUG"):
                 traceback.print_exc()
-        results.put((rank, "error", message))
+        results.put((rank, "comm-error" if isinstance(e, CommError) else "error", message))
         raise SystemExit(1) from None
 
 
@@ -83,53 +87,62 @@ def launch(
         proc.start()
         procs.append(proc)
     outputs: dict[int, Any] = {}
-    failure: str | None = None
+    exited: dict[int, int] = {}  # processes that ended by themselves, with their exit codes
+    interrupted = False
+    pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
+    settle_until: float | None = None
     try:
-        pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
-        while pending and failure is None:
-            for sentinel in wait(list(pending)):
-                rank, proc = pending.pop(sentinel)
-                proc.join()
+        while pending:
+            timeout = None if settle_until is None else max(0.0, settle_until - time.monotonic())
+            # read results as they come: a child blocks on a full pipe until its result is read
+            ready_list = wait([*pending, results._reader], timeout)
+            if not ready_list:
+                break
+            for ready in ready_list:
+                if ready is not results._reader:
+                    rank, proc = pending.pop(ready)
+                    proc.join()
+                    exited[rank] = proc.exitcode
+                    if proc.exitcode != 0 and settle_until is None:
+                        settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
                 outputs.update(_drain(results))
-                if proc.exitcode != 0:
-                    failure = _first_error(outputs, rank, proc.exitcode)
-                    break
-        if failure is None:
-            outputs.update(_drain(results))
     except KeyboardInterrupt:
-        failure = "interrupted (Ctrl-C): every worker was stopped"
+        interrupted = True
     finally:
         _stop(procs)
     outputs.update(_drain(results))
-    errors = {r: v for r, v in outputs.items() if isinstance(v, _Error)}
-    if failure is None and errors:
-        rank = min(errors)
-        failure = f"worker {rank} failed: {errors[rank].message}"
+    if interrupted:
+        raise WorkerFailed("interrupted (Ctrl-C): every worker was stopped")
+    failure = _root_cause(outputs, exited)
     if failure is not None:
         raise WorkerFailed(failure)
     return outputs
 
 
 class _Error:
-    def __init__(self, message: str) -> None:
-        self.message = message
+    def __init__(self, message: str, secondary: bool) -> None:
+        self.message, self.secondary = message, secondary
 
 
 def _drain(results: Any) -> dict[int, Any]:
     out = {}
     while not results.empty():
         rank, status, value = results.get()
-        out[rank] = value if status == "ok" else _Error(value)
+        out[rank] = pickle.loads(value) if status == "ok" else _Error(value, status == "comm-error")
     return out
 
 
-def _first_error(outputs: dict[int, Any], rank: int, exitcode: int | None) -> str:
-    errors = {r: v for r, v in outputs.items() if isinstance(v, _Error)}
-    if errors:
-        first = min(errors)
-        return f"worker {first} failed: {errors[first].message}"
-    how = f"was killed by signal {-exitcode}" if exitcode and exitcode < 0 else f"exited with code {exitcode}"
-    return f"worker {rank} {how}; the run was stopped"
+def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> str | None:
+    """The failure that explains the others: a worker's own error or death before a peer's lost connection."""
+    causes = []
+    for rank, value in outputs.items():
+        if isinstance(value, _Error):
+            causes.append((value.secondary, rank, f"worker {rank} failed: {value.message}"))
+    for rank, code in exited.items():
+        if code != 0 and rank not in outputs:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            causes.append((False, rank, f"worker {rank} {how}; the run was stopped"))
+    return min(causes)[2] if causes else None
 
 
 def _stop(procs: list[Any]) -> None:

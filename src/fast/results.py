@@ -15,6 +15,9 @@ from torch import nn
 
 import fast
 from fast import checkpoint
+from fast.deployment import describe as describe_deployment
+from fast.deployment import emulated, record_of
+from fast.errors import ConfigError
 from fast.evaluate import evaluate
 
 if TYPE_CHECKING:
@@ -45,6 +48,16 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _predicted_step_time(worker: Worker) -> float | None:
+    """The cost model's step time for this run (fast.predict), beside the measured one; None if unpriced."""
+    from fast.predict import predicted_step_time
+
+    try:
+        return predicted_step_time(worker.config, dataset=worker.data, model=worker.model)
+    except ConfigError:
+        return None
+
+
 def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] | None:
     """Collective over all processes: rank 0 writes metrics.jsonl, summary.json and model.pt."""
     own = {
@@ -57,6 +70,8 @@ def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] 
         "steps": 0 if worker.is_server else worker.total_steps,
         "time_s": worker.clock.now() if hasattr(worker, "clock") else 0.0,
     }
+    if emulated(worker.config):
+        own["deployment"] = record_of(worker.machine, worker.world)
     if not worker.is_server and worker.strategy.decentralised:
         correct, _, n = evaluate(worker.model, worker.data.x_test, worker.data.y_test, worker.device)
         own["own_test_accuracy"] = correct / n
@@ -125,7 +140,10 @@ def summarize(worker: Worker, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         "evaluations": evals,
         "config": config.to_dict(),
         "env": environment(),
+        "predicted_step_time_s": _predicted_step_time(worker),
     }
+    if emulated(config):
+        summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
     for p in everyone:  # strategy figures (a server's included); rank 0's come last and win
         if p["rank"]:
             summary.update(p["strategy"])

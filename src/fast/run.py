@@ -12,6 +12,7 @@ from fast.config import Config, load_config
 from fast.data import load_dataset
 from fast.errors import ConfigError
 from fast.launch import launch
+from fast.strategies import strategy_class
 from fast.worker import UserCode, server_count, worker_main
 
 
@@ -40,6 +41,9 @@ def prepare(
         synthetic_test=config.data.synthetic_test,
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    if resume is None:  # a fresh run in a used folder starts clean
+        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/worker*.pt")]:
+            stale.unlink()
     (run_dir / "config.toml").write_text(config.to_toml())
     return config, run_dir
 
@@ -55,7 +59,7 @@ def train(
 ) -> dict[str, Any]:
     """Run one training job to the end; returns the summary (on rank 0; {} on other torchrun ranks)."""
     config, run_dir = prepare(config, out=out, resume=resume, **overrides)
-    user = UserCode(model_fn=model_fn, step_fn=step_fn)
+    user = UserCode(model_fn=model_fn, step_fn=step_fn, strategy_class=strategy_class(config.strategy.name))
     if engine.under_torchrun():
         expected = config.run.workers + server_count(config)
         if int(os.environ["WORLD_SIZE"]) != expected:

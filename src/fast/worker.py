@@ -26,6 +26,7 @@ from fast import checkpoint, engine
 from fast.comm import Comm
 from fast.config import Config, OptimizerConfig
 from fast.data import Dataset, load_dataset, partition
+from fast.deployment import machine_for, network_for
 from fast.evaluate import evaluate
 from fast.models import build_model
 from fast.progress import Progress
@@ -46,6 +47,9 @@ class UserCode:
 
     model_fn: ModelFn | None = None
     step_fn: StepFn | None = None
+    # unpickling the class in a worker process imports its module, which registers a strategy defined
+    # outside fast.strategies (e.g. in the user's script) there too
+    strategy_class: type[Strategy] | None = None
 
 
 def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
@@ -160,6 +164,7 @@ class Worker:
         self.resume = resume
         self.metrics_file = run_dir / "workers" / f"metrics-{rank}.jsonl"
         self.progress: Progress | None = None
+        self.machine = machine_for(config, rank, self.metrics_file)  # emulated slowdown, stragglers, crash
 
     # -- data order: a function of (seed, epoch, rank) only, so a resumed run sees the same batches ----------
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,11 +184,15 @@ class Worker:
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
         if self.is_server:
+            self.strategy.setup_server(self.model)
+            self.world.barrier()
+            self.machine.start(self.world)
             self.strategy.serve(self.model)
             return self._finish(None)
         self.strategy.setup(self.model, self.optimizer)
         clock_offset = self._restore() if self.resume else 0.0
         self.world.barrier()
+        self.machine.start(self.world)
         self.clock = Clock(clock_offset)
         if self.rank == 0 and os.environ.get("FAST_PROGRESS", "1") != "0":
             self.progress = Progress(
@@ -198,8 +207,9 @@ class Worker:
             x, y = self.batch(step)
             self.strategy.before_step(step)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.step_fn(self.model, x, y)
-            loss.backward()
+            with self.machine.step(step):
+                loss = self.step_fn(self.model, x, y)
+                loss.backward()
             self.strategy.after_backward(step)
             self.optimizer.step()
             self.strategy.after_optimizer_step(step)
@@ -215,10 +225,10 @@ class Worker:
             if every and done % every == 0 and done < self.total_steps:
                 self._checkpoint(done)
         self.strategy.end_of_run()
-        self._evaluate(self.total_steps)
+        self._evaluate(self.total_steps, final=True)
         if self.progress is not None:
             self.progress.close()
-        return self._finish(self.strategy.eval_model())
+        return self._finish(self.final)
 
     def _record(self, step: int, loss: float | None, **extra: Any) -> None:
         counter = self.world.counter
@@ -241,27 +251,36 @@ class Worker:
         if self.progress is not None:
             self.progress.update(record)
 
-    def _evaluate(self, step: int) -> None:
-        """Collective: test accuracy of the reported model, and replica divergence (measurement only)."""
+    def _evaluate(self, step: int, final: bool = False) -> None:
+        """Test accuracy of the reported model and replica divergence (measurement only).
+
+        Collective (every worker evaluates a slice of the test set) unless the strategy evaluates on rank 0
+        alone during training so that asynchronous workers never wait; the final evaluation is collective.
+        """
+        collective = final or self.strategy.collective_eval
+        if not collective and self.rank != 0:
+            return
         with self.clock.pause():
-            model = self.strategy.eval_model()
-            stats = torch.tensor(evaluate(model, self.x_test, self.y_test, self.device), dtype=torch.float64)
-            with self.comm.unmetered():
-                self.comm.all_reduce(stats)
-                divergence = self.strategy.divergence() if self.strategy.decentralised else 0.0
+            if collective:
+                model = self.strategy.final_model() if final else self.strategy.eval_model()
+                stats = torch.tensor(evaluate(model, self.x_test, self.y_test, self.device), dtype=torch.float64)
+                with self.comm.unmetered():
+                    self.comm.all_reduce(stats)
+                    divergence = self.strategy.divergence() if self.strategy.decentralised else 0.0
+            else:
+                model = self.strategy.eval_model()
+                stats = torch.tensor(evaluate(model, self.data.x_test, self.data.y_test, self.device))
+                divergence = None
+        self.final = model
         correct, loss, n = stats.tolist()
-        result = {
-            "step": step,
-            "time_s": round(self.clock.now(), 4),
-            "test_accuracy": correct / n,
-            "test_loss": loss / n,
-            "divergence": divergence,
-        }
+        result = {"step": step, "time_s": round(self.clock.now(), 4), "test_accuracy": correct / n,
+                  "test_loss": loss / n}
+        if divergence is not None:
+            result["divergence"] = divergence
         self.evals.append(result)
         if self.rank == 0:
-            self._record(
-                step, None, kind="eval", test_accuracy=correct / n, test_loss=loss / n, divergence=divergence
-            )
+            extra = {k: v for k, v in result.items() if k not in ("step", "time_s")}
+            self._record(step, None, kind="eval", **extra)
 
     def _checkpoint(self, step: int) -> None:
         state = {
@@ -314,6 +333,7 @@ def worker_main(config: Config, run_dir: Path, user: UserCode, resume: bool = Fa
         int(os.environ["MASTER_PORT"]),
         device,
         config.run.deadline_s,
+        network_for(config, world_size, rank),
     )
     try:
         return Worker(config, run_dir, user, world, rank, resume).run()

@@ -82,16 +82,17 @@ class Codec:
     def decode(self, frame: torch.Tensor | bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> torch.Tensor:
         """The tensor in `frame`; FrameError if the frame is damaged or was not made by this codec."""
         parts = unpack_frame(frame, max_bytes=max_bytes)
-        expected = RAW_CODEC_ID if self.sends_raw(parts.shape) else self.codec_id
+        raw = self.sends_raw(parts.shape)
+        expected = RAW_CODEC_ID if raw else self.codec_id
         if parts.codec_id != expected:
             raise FrameError(
                 f"frame was encoded by codec {parts.codec_name!r}, but a {self.name!r} receiver expects "
                 f"{CODEC_NAMES[expected]!r} for shape {parts.shape}: configure the same codec on both sides"
             )
-        if expected != RAW_CODEC_ID and self.floats_only and parts.dtype not in FLOAT_DTYPES:
+        if self.floats_only and parts.dtype not in FLOAT_DTYPES:
             raise FrameError(f"{self.name} frame claims dtype {parts.dtype}, which {self.name} never encodes")
-        reader = BodyReader(parts.body, self.name if expected != RAW_CODEC_ID else "none")
-        if expected == RAW_CODEC_ID:
+        reader = BodyReader(parts.body, CODEC_NAMES[expected])
+        if raw:
             decoded = decode_raw(reader, parts.shape, parts.dtype)
         else:
             decoded = self._decode_body(reader, parts.shape, parts.dtype)
@@ -154,10 +155,10 @@ def per_tensor_state(store: dict[str, torch.Tensor], key: str, like: torch.Tenso
     state = store.get(key)
     if state is None:
         state = store[key] = torch.zeros_like(like, memory_format=torch.contiguous_format)
-    elif state.shape != like.shape:
+    elif state.shape != like.shape or state.dtype != like.dtype:
         raise ValueError(
-            f"tensor key {key!r} was used for shape {tuple(state.shape)} and now for {tuple(like.shape)}: "
-            "give every tensor its own key"
+            f"tensor key {key!r} was used for a {state.dtype} tensor of shape {tuple(state.shape)} and now for "
+            f"a {like.dtype} one of shape {tuple(like.shape)}: give every tensor its own key"
         )
     return state
 

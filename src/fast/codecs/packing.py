@@ -1,9 +1,10 @@
 """Turning tensors into body bytes and back: raw memory, packed bit fields, narrow indices, a body reader.
 
-All packing is vectorised: shifts over a few columns, never a Python loop over elements. Codes of `width`
-bits are split into bit planes of 8, 4, 2 and 1 bits (lowest bits first, e.g. 5 = 4 + 1), and each
-plane is packed on its own, LSB first, so that a byte always holds a whole number of codes: code i
-of a w-bit plane is bits [(i % (8 // w)) * w, ...) of byte i // (8 // w).
+All packing is vectorised (shifts over a few columns, or one int64 multiply per eight bits), never a
+Python loop over elements. Codes of `width` bits are split into bit planes of 8, 4, 2 and 1 bits
+(lowest bits first, e.g. 5 = 4 + 1), and each plane is packed on its own, LSB first, so that a byte
+always holds a whole number of codes: code i of a w-bit plane is bits [(i % (8 // w)) * w, ...) of
+byte i // (8 // w).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def packed_size(count: int, width: int) -> int:
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Integer `codes` (each below 2**width, width 1..16) packed into uint8 bytes, plane by plane."""
     codes = codes.reshape(-1)
-    if width <= 8:
+    if codes.dtype == torch.bool:
+        codes = codes.view(torch.uint8)
+    elif width <= 8:
         codes = codes.to(torch.uint8)
     pieces, offset = [], 0
     for plane in bit_planes(width):
@@ -54,7 +57,10 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """The `count` codes of `width` bits in `packed` (inverse of pack_codes): uint8 up to 8 bits, else int32."""
+    """The `count` codes of `width` bits in `packed` (inverse of pack_codes): uint8 up to 8 bits, else int32.
+
+    Up to 7 bits the result is a fresh tensor the caller may modify in place; at 8 it views `packed`.
+    """
     codes = None
     start, offset = 0, 0
     for plane in bit_planes(width):
@@ -62,10 +68,21 @@ def unpack_codes(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
         values = _unpack_plane(packed[start : start + size], plane, count)
         if width > 8:
             values = values.to(torch.int32)
-        codes = values if codes is None else codes | (values << offset)
+        if codes is None:
+            codes = values
+        else:
+            codes |= values.bitwise_left_shift_(offset)
         start += size
         offset += plane
     return codes
+
+
+# Eight 0/1 bytes read as one little-endian int64 gather into its top byte (byte j -> bit 56 + j) when
+# multiplied by this; no two partial products meet there, so nothing carries in (the overflow wraps).
+_GATHER_BITS = 0x0102040810204080
+# One byte repeated into all eight, then masked so that byte j keeps only bit j.
+_SPREAD_BYTE = 0x0101010101010101
+_BIT_J_OF_BYTE_J = 0x8040201008040201 - (1 << 64)  # as a signed int64
 
 
 def _pack_plane(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -73,7 +90,13 @@ def _pack_plane(values: torch.Tensor, width: int) -> torch.Tensor:
     if width == 8:
         return values
     per_byte = 8 // width
-    grid = _pad(values, per_byte).view(-1, per_byte)
+    values = _pad(values, per_byte)
+    if width == 1:
+        if values.storage_offset() % 8 or not values.is_contiguous():
+            values = values.clone(memory_format=torch.contiguous_format)
+        gathered = values.view(torch.int64) * _GATHER_BITS
+        return gathered.view(torch.uint8).view(-1, 8)[:, 7].contiguous()
+    grid = values.view(-1, per_byte)
     packed = grid[:, 0].clone(memory_format=torch.contiguous_format)
     for column in range(1, per_byte):
         packed |= grid[:, column] << (column * width)
@@ -83,8 +106,12 @@ def _pack_plane(values: torch.Tensor, width: int) -> torch.Tensor:
 def _unpack_plane(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     if width == 8:
         return packed[:count]
+    if width == 1:
+        spread = (packed.to(torch.int64) * _SPREAD_BYTE).bitwise_and_(_BIT_J_OF_BYTE_J)
+        return spread.view(torch.uint8).ne(0).view(torch.uint8)[:count]
     shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
+    values = torch.bitwise_right_shift(packed.unsqueeze(1), shifts).bitwise_and_((1 << width) - 1)
+    return values.view(-1)[:count]
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -117,7 +144,7 @@ def unpack_indices(packed: torch.Tensor, numel: int, count: int) -> torch.Tensor
     wide = torch.zeros(count, 8, dtype=torch.uint8, device=packed.device)
     wide[:, :width] = packed.view(count, width)
     indices = wide.view(torch.int64).reshape(count)
-    if count and int(indices.max()) >= numel:
+    if count and (int(indices.max()) >= numel or int(indices.min()) < 0):
         raise FrameError(f"frame holds an index beyond the tensor's {numel} elements")
     return indices
 
@@ -142,7 +169,7 @@ class BodyReader:
 
     def take(self, dtype: torch.dtype, count: int) -> torch.Tensor:
         """`count` values of `dtype` (copied when the bytes are not aligned for it)."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         piece = self.take_bytes(count * size)
         if piece.storage_offset() % size:
             piece = piece.clone()
@@ -160,9 +187,7 @@ class BodyReader:
 
     def finish(self) -> None:
         if self.offset != self.body.numel():
-            raise FrameError(
-                f"{self.codec} frame body has {self.body.numel()} bytes where {self.offset} were expected"
-            )
+            raise FrameError(f"{self.codec} frame body has {self.body.numel()} bytes where {self.offset} were expected")
 
 
 def _pad(values: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -27,13 +27,13 @@ class Uint8(Codec):
         flat = x.reshape(-1).float()
         low, high = torch.aminmax(flat)
         step = torch.where(high > low, (high - low) / 255, torch.ones_like(high))
-        codes = ((flat - low) / step).round_().clamp_(0, 255).to(torch.uint8)
+        codes = torch.sub(flat, low).div_(step).round_().clamp_(0, 255).to(torch.uint8)
         return torch.cat([scalar_bytes(low), scalar_bytes(high), codes])
 
     def _decode_body(self, body: BodyReader, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         low, high = body.take_scalar(), body.take_scalar()
         codes = body.take(torch.uint8, math.prod(shape))
-        return (low + codes.float() * ((high - low) / 255)).to(dtype).reshape(shape)
+        return codes.float().mul_((high - low) / 255).add_(low).to(dtype).reshape(shape)
 
     def _body_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         return 8 + math.prod(shape)
@@ -43,56 +43,70 @@ class QSGD(Codec):
     """Stochastic quantisation to `levels` levels of |x| / norm per bucket, with a sign bit (unbiased).
 
     Body: one fp32 norm per bucket, then per element a code of 1 + bits(levels) bits (level in the low
-    bits, sign above it). `bucket_size = 0` makes the whole tensor one bucket.
+    bits, sign above it). `bucket_size = 0` makes the whole tensor one bucket. The default, 7 levels
+    in buckets of 512, is the paper's 4-bit QSGD: two codes to a byte.
     """
 
     name = "qsgd"
 
-    def __init__(self, *, levels: int = 15, bucket_size: int = 512, min_elements: int = 0, seed: int = 0):
+    def __init__(self, *, levels: int = 7, bucket_size: int = 512, min_elements: int = 0, seed: int = 0):
         super().__init__(min_elements=min_elements, seed=seed)
         self.levels = positive_int("levels", levels, limit=2**15 - 1)
         self.bucket_size = non_negative_int("bucket_size", bucket_size)
         self.level_bits = self.levels.bit_length()
+        # codes (level, then sign) fit a byte up to 127 levels; the signed level then fits an int8
+        self._code_dtype = torch.uint8 if self.level_bits < 8 else torch.int32
+        self._signed_dtype = torch.int8 if self.level_bits < 8 else torch.int32
 
-    def _buckets(self, numel: int) -> tuple[int, int]:
-        """(number of buckets, elements per bucket) for a tensor of `numel` elements."""
+    def _bucket_runs(self, numel: int) -> list[tuple[int, int, int]]:
+        """(start, end, bucket size) of the runs of equal buckets: the full buckets, then a shorter last one."""
         size = numel if self.bucket_size == 0 else min(self.bucket_size, numel)
-        return -(-numel // size), size
+        full = numel // size * size
+        return [(0, full, size)] + ([(full, numel, numel - full)] if full < numel else [])
+
+    def _bucket_count(self, numel: int) -> int:
+        size = numel if self.bucket_size == 0 else min(self.bucket_size, numel)
+        return -(-numel // size)
 
     def _encode_body(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        numel = x.numel()
-        buckets, size = self._buckets(numel)
-        grid = torch.zeros(buckets * size, dtype=torch.float32, device=x.device)
-        grid[:numel] = x.reshape(-1)
-        grid = grid.view(buckets, size)
-        norms = torch.linalg.vector_norm(grid, dim=1)
-        scale = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        ratio = grid.abs().mul_(scale.unsqueeze(1))  # in [0, levels]
-        level = ratio.floor()
-        noise = torch.rand(ratio.shape, generator=self.generator(x.device), device=x.device)
-        level += noise < ratio.sub_(level)  # round up with probability equal to the fractional part
-        level.clamp_(max=self.levels)
-        code_dtype = torch.uint8 if self.level_bits < 8 else torch.int32
-        codes = level.to(code_dtype) | ((grid < 0).to(code_dtype) << self.level_bits)
-        return torch.cat([norms.view(torch.uint8), pack_codes(codes.view(-1)[:numel], self.level_bits + 1)])
+        flat = x.reshape(-1).float()
+        numel = flat.numel()
+        # Stochastic rounding of the signed level v = x * levels / norm: with u uniform in [0, 1),
+        # floor(v + u) is floor(v) + 1 with probability v - floor(v) and floor(v) otherwise, so its mean
+        # is exactly v, for either sign of v.
+        level = torch.rand(numel, generator=self.generator(x.device), device=x.device)
+        norms = []
+        for start, end, size in self._bucket_runs(numel):
+            rows = flat[start:end].view(-1, size)
+            norm = torch.linalg.vector_norm(rows, dim=1)
+            scale = torch.where(norm > 0, self.levels / norm, torch.zeros_like(norm))
+            level[start:end].view(-1, size).addcmul_(rows, scale.unsqueeze(1))
+            norms.append(norm)
+        signed = level.floor_().clamp_(-self.levels, self.levels).to(self._signed_dtype)
+        codes = signed.abs().view(self._code_dtype)
+        codes |= (signed < 0).view(torch.uint8).to(self._code_dtype) << self.level_bits
+        return torch.cat([torch.cat(norms).view(torch.uint8), pack_codes(codes, self.level_bits + 1)])
 
     def _decode_body(self, body: BodyReader, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
-        buckets, size = self._buckets(numel)
-        norms = body.take(torch.float32, buckets)
-        codes = unpack_codes(body.take_bytes(packed_size(numel, self.level_bits + 1)), self.level_bits + 1, numel)
-        level = codes & ((1 << self.level_bits) - 1)
-        if bool((level > self.levels).any()):
+        norms = body.take(torch.float32, self._bucket_count(numel))
+        width = self.level_bits + 1
+        codes = unpack_codes(body.take_bytes(packed_size(numel, width)), width, numel)
+        level = (codes & ((1 << self.level_bits) - 1)).view(self._signed_dtype)
+        if self.levels != (1 << self.level_bits) - 1 and bool((level > self.levels).any()):
             raise FrameError(f"qsgd frame holds a level above the configured {self.levels} levels")
-        values = torch.zeros(buckets * size, dtype=torch.float32, device=codes.device)
-        values[:numel] = level
-        values = values.view(buckets, size).mul_((norms / self.levels).unsqueeze(1)).view(-1)[:numel]
-        values = torch.where((codes >> self.level_bits).bool(), -values, values)
+        negate = (codes >> self.level_bits).view(self._signed_dtype).neg_()  # 0, or -1 (all bits set)
+        values = level.bitwise_xor_(negate).sub_(negate).float()  # two's complement negation where negative
+        row = 0
+        for start, end, size in self._bucket_runs(numel):
+            rows = values[start:end].view(-1, size)
+            rows.mul_((norms[row : row + rows.shape[0]] / self.levels).unsqueeze(1))
+            row += rows.shape[0]
         return values.to(dtype).reshape(shape)
 
     def _body_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         numel = math.prod(shape)
-        return 4 * self._buckets(numel)[0] + packed_size(numel, self.level_bits + 1)
+        return 4 * self._bucket_count(numel) + packed_size(numel, self.level_bits + 1)
 
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
@@ -101,29 +115,29 @@ class QSGD(Codec):
 class TernGrad(Codec):
     """Ternary stochastic rounding: scale s = max|x|, each element s * sign(x) with probability |x| / s.
 
-    Body: s (fp32), then 2 bits per element: 0 for 0, 1 for +s, 2 for -s.
+    Body: s (fp32), then 2 bits per element, the value -1, 0 or +1 in two's complement (0, 1, 3; 2 unused).
     """
 
     name = "terngrad"
 
     def _encode_body(self, x: torch.Tensor, key: str) -> torch.Tensor:
         flat = x.reshape(-1).float()
-        magnitude = flat.abs()
-        scale = magnitude.max()
-        noise = torch.rand(flat.shape, generator=self.generator(x.device), device=x.device)
-        kept = (noise * scale < magnitude).to(torch.uint8)  # probability |x| / scale
-        codes = kept << (flat < 0).to(torch.uint8)  # 1 for +, 2 for -
+        scale = torch.linalg.vector_norm(flat, ord=math.inf)
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        # floor(x / s + u), u uniform in [0, 1): sign(x) with probability |x| / s, else 0
+        ternary = torch.rand(flat.shape, generator=self.generator(x.device), device=x.device)
+        ternary.addcdiv_(flat, divisor).floor_().clamp_(-1, 1)
+        codes = ternary.to(torch.int8).view(torch.uint8) & 3
         return torch.cat([scalar_bytes(scale), pack_codes(codes, 2)])
 
     def _decode_body(self, body: BodyReader, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         scale = body.take_scalar()
         codes = unpack_codes(body.take_bytes(packed_size(numel, 2)), 2, numel)
-        if bool((codes == 3).any()):
-            raise FrameError("terngrad frame holds the unused code 3")
-        signs = codes.to(torch.int8)
-        signs[codes == 2] = -1
-        return (signs * scale).to(dtype).reshape(shape)
+        ternary = codes.bitwise_xor_(2).view(torch.int8).sub_(2)  # two's complement: 0, 1, 3 -> 0, 1, -1
+        if numel and int(ternary.min()) < -1:
+            raise FrameError("terngrad frame holds the unused code 2")
+        return ternary.float().mul_(scale).to(dtype).reshape(shape)
 
     def _body_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         return 4 + packed_size(math.prod(shape), 2)

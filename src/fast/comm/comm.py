@@ -9,6 +9,9 @@ operation and the peer. Bytes are counted per peer by the shared `ByteCounter`:
   moves: 2(N-1)/N of the tensor for all-reduce, (N-1) chunks for all-gather; a broadcast root sends the
   tensor to each of the N-1 others. (Emulated deployments run collectives as explicit point-to-point
   rounds instead, where each message is counted as it is sent.)
+
+A send may be marked `droppable=True` (gossip, asynchronous pushes: the protocol survives a lost message).
+Native links never lose one; an emulated lossy or down link may, and the receive then raises `MessageLost`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import torch.distributed as dist
 
 from fast.comm.accounting import ByteCounter
 from fast.errors import CommError, CommTimeout
+
+
+class MessageLost(CommError):
+    """A message sent with `droppable=True` was lost on an emulated link (never raised by native links)."""
 
 
 class Handle:
@@ -102,9 +109,7 @@ class Comm:
     def channel(self) -> Comm:
         """A separate gloo group over the same ranks, for background threads (collective: all ranks call it)."""
         group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=self.deadline_s))
-        comm = Comm(
-            group=group, deadline_s=self.deadline_s, device="cpu", counter=self.counter, ranks=self.ranks
-        )
+        comm = self._derived(group=group, ranks=self.ranks, device="cpu")
         self._channels.append(comm)
         return comm
 
@@ -115,21 +120,19 @@ class Comm:
         for ranks in partition:
             group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.deadline_s))
             if self.rank in ranks:
-                mine = Comm(
-                    group=group,
-                    deadline_s=self.deadline_s,
-                    device=self.device,
-                    counter=self.counter,
-                    ranks=list(ranks),
-                )
+                mine = self._derived(group=group, ranks=list(ranks), device=self.device)
         return mine
+
+    def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
+        """A Comm of the same kind over another group, sharing this one's byte counter."""
+        return Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks)
 
     def unmetered(self) -> Any:
         """Context in which traffic is measurement only and is not counted in bytes_sent."""
         return self.counter.unmetered()
 
     # -- point to point ----------------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
         return Handle(work, "send", f"worker {dst}", self.deadline_s)
@@ -146,8 +149,8 @@ class Comm:
             work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done
         )
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(tensor, dst, tag).wait()
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
+        self.isend(tensor, dst, tag, droppable).wait()
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
         return self.irecv(tensor, src, tag).wait()
@@ -160,7 +163,7 @@ class Comm:
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
         return peer
 
-    def send_bytes(self, payload: torch.Tensor, dst: int, tag: int = 0) -> None:
+    def send_bytes(self, payload: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
         """Send a variable-length uint8 payload (a codec frame): an 8-byte length, then the bytes."""
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         self.send(length, dst, tag)

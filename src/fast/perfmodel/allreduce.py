@@ -96,9 +96,9 @@ def allreduce_cost(
                 f"group_size and inner_link apply to the hierarchical all-reduce only, not {algorithm!r}: "
                 "drop them or set algorithm='hierarchical'"
             )
-        return {"ring": ring_cost, "tree": tree_cost, "recursive-doubling": recursive_doubling_cost}[
-            algorithm
-        ](nbytes, workers, link)
+        return {"ring": ring_cost, "tree": tree_cost, "recursive-doubling": recursive_doubling_cost}[algorithm](
+            nbytes, workers, link
+        )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= workers:
         raise ConfigError(
             f"hierarchical all-reduce needs group_size between 1 and workers = {workers}, got {group_size!r}"

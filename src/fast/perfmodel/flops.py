@@ -42,9 +42,7 @@ def forward_flops_per_sample(
     return float(counter.get_total_flops())
 
 
-def flops_per_sample(
-    model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32
-) -> float:
+def flops_per_sample(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32) -> float:
     """Training FLOPs of one sample: forward + backward ≈ 3 × forward."""
     return TRAINING_FLOPS_PER_FORWARD_FLOP * forward_flops_per_sample(model, input_shape, input_dtype)
 

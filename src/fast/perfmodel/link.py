@@ -23,9 +23,7 @@ class Link:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.latency_s) or self.latency_s < 0:
-            raise ConfigError(
-                f"link latency {self.latency_s!r} s must be finite and >= 0: e.g. 0.02 for 20 ms"
-            )
+            raise ConfigError(f"link latency {self.latency_s!r} s must be finite and >= 0: e.g. 0.02 for 20 ms")
         if not math.isfinite(self.bandwidth_Bps) or self.bandwidth_Bps <= 0:
             raise ConfigError(
                 f"link bandwidth {self.bandwidth_Bps!r} B/s must be finite and > 0: e.g. 2.5e6 for 20 Mbit"

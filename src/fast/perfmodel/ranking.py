@@ -17,7 +17,5 @@ def rank_by_epoch_time(costs: Mapping[str, StepCost], steps_per_epoch: int | Map
     steps = steps_per_epoch if isinstance(steps_per_epoch, Mapping) else dict.fromkeys(costs, steps_per_epoch)
     missing = sorted(set(costs) - set(steps))
     if missing:
-        raise ConfigError(
-            f"steps_per_epoch has no entry for {', '.join(missing)}: give one for every variant"
-        )
+        raise ConfigError(f"steps_per_epoch has no entry for {', '.join(missing)}: give one for every variant")
     return sorted(costs, key=lambda name: (costs[name].time_s * steps[name], name))

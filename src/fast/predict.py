@@ -1,0 +1,380 @@
+"""`fast predict`: each variant's time per step and per epoch and its bytes per step, from the cost model.
+
+Nothing is trained. The inputs of `fast.perfmodel.step_cost` come from the config:
+
+- compute: a few forward + backward + optimizer steps of the model at the run's batch size, timed in this
+  process with the run's threads per worker, and scaled by how much the run's workers oversubscribe the
+  cores; then the `[compute]` slowdowns and stragglers, in expectation (with a barrier every step the
+  slowest worker sets the pace, so the expected maximum over workers);
+- the link: from `[network]`, the slowest link between workers (a ring or a gossip round waits for its
+  slowest hop); with sites and a hierarchical all-reduce, the LAN inside sites and the WAN between them.
+  Without `[network]`, `LOOPBACK`;
+- the message: the model's parameters as float32, or the size of the codec's frames when a codec is set.
+
+Variants cannot be ranked by time to accuracy before training (the epochs each needs are unknown), so
+"first" ranks them by predicted time per epoch. Also printed: the model's computation/communication ratio
+(paper 004 Sec. 4.6: FLOPs of one sample's forward pass / parameters; high favours synchronous solvers).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from torch import nn
+
+from fast.config import Config, _describe, load_config
+from fast.data import Dataset, load_dataset, partition
+from fast.deployment import link_table, slowdown_of, world_size
+from fast.errors import ConfigError
+from fast.perfmodel import COST_OPTIONS, Link, StepCost, compute_communication_ratio, step_cost
+from fast.units import format_bytes, format_seconds, parse_duration
+from fast.variants import variants
+
+# Native links: gloo over the loopback interface of one host (order of magnitude).
+LOOPBACK = Link(latency_s=100e-6, bandwidth_Bps=1e9)
+WARMUP_STEPS = 2
+TIMED_STEPS = 5
+STEP_BARRIER = frozenset({"sync", "gossip"})  # every step waits for the others: the slowest sets the pace
+PEER_STRATEGIES = frozenset({"gossip", "ad-psgd", "push-sum"})
+# How much of the shorter of compute and communication FAST's strategies hide behind the other, where the
+# cost model asks (`overlap`): gossip posts its exchange before the forward pass and awaits it after
+# backward. sync launches a bucket's all-reduce once all of its gradients exist: a model that fits in one
+# bucket overlaps nothing, so 0 (the cost model's default) is kept.
+OVERLAP = {"gossip": 1.0}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One variant's predicted step (None when the cost model cannot price it, with the reason)."""
+
+    name: str
+    strategy: str
+    cost: StepCost | None
+    steps_per_epoch: int
+    workers: int
+    message_bytes: int
+    link: Link
+    model: str
+    parameters: int
+    cc_ratio: float
+    problem: str | None = None
+
+    @property
+    def epoch_s(self) -> float | None:
+        return None if self.cost is None else self.cost.time_s * self.steps_per_epoch
+
+    @property
+    def bytes_per_step(self) -> float | None:
+        """Bytes all processes put on the wire per step, as summary.json's bytes_sent counts them."""
+        return None if self.cost is None else self.cost.bytes_per_worker * self.workers
+
+
+# -- inputs -------------------------------------------------------------------------------------------------
+def _processes(config: Config) -> int:
+    try:
+        return world_size(config)
+    except ConfigError:  # a strategy not (yet) registered: assume it has no servers
+        return config.run.workers
+
+
+def threads_per_worker(config: Config) -> int:
+    return config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // _processes(config))
+
+
+def oversubscription(config: Config) -> float:
+    """How much slower each worker computes because the workers together want more threads than cores."""
+    return max(1.0, config.run.workers * threads_per_worker(config) / (os.cpu_count() or 1))
+
+
+def _dataset(config: Config) -> Dataset:
+    return load_dataset(
+        config.data.name,
+        seed=config.run.seed,
+        data_dir=config.data.dir,
+        synthetic_train=config.data.synthetic_train,
+        synthetic_test=config.data.synthetic_test,
+    )
+
+
+def measure_compute_s(config: Config, dataset: Dataset, model: nn.Module | None = None, step_fn: Any = None) -> float:
+    """Median seconds of one step's computation (forward, backward, optimizer) for one worker of the run."""
+    from fast.models import build_model
+    from fast.worker import build_optimizer, cross_entropy_step
+
+    model = (
+        copy.deepcopy(model)
+        if model is not None
+        else build_model(config.model.name, dataset.input_shape, dataset.num_classes)
+    )
+    model = model.cpu().train()
+    step_fn = step_fn or cross_entropy_step
+    optimizer = build_optimizer(config.optimizer, model.parameters())
+    generator = torch.Generator().manual_seed(config.run.seed)
+    index = torch.randint(len(dataset.x_train), (config.run.batch_size,), generator=generator)
+    x, y = dataset.x_train[index], dataset.y_train[index]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_worker(config))
+    try:
+        times = []
+        for i in range(WARMUP_STEPS + TIMED_STEPS):
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            step_fn(model, x, y).backward()
+            optimizer.step()
+            if i >= WARMUP_STEPS:
+                times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times) * oversubscription(config)
+
+
+def expected_maximum_factor(shape: float, cap: float, workers: int) -> float:
+    """E[max of `workers` draws of min(X, cap)], X ~ Pareto(shape, 1): 1 + ∫_1^cap P(max > x) dx."""
+    points = 2000
+    grid = [cap ** (k / points) for k in range(points + 1)]
+    survival = [1.0 - (1.0 - x ** (-shape)) ** workers for x in grid]
+    return 1.0 + sum((grid[k + 1] - grid[k]) * (survival[k] + survival[k + 1]) / 2 for k in range(points))
+
+
+def effective_compute_s(config: Config, compute_s: float) -> float:
+    """Compute time per step with the [compute] slowdowns and stragglers, in expectation."""
+    spec = config.compute
+    if spec is None:
+        return compute_s
+    workers = config.run.workers
+    slowest = max(slowdown_of(config, rank) for rank in range(workers))
+    barrier = config.strategy.name in STEP_BARRIER
+    draws = workers if barrier else 1  # no barrier: over many steps each worker pays the mean
+    tail = expected_maximum_factor(spec.heavy_tail, spec.heavy_tail_max, draws) if spec.heavy_tail > 0 else 1.0
+    p = spec.straggler_probability
+    pause = parse_duration(spec.straggler_pause) * (1 - (1 - p) ** draws if barrier else p)
+    return compute_s * slowest * tail + pause
+
+
+def _links_between_workers(config: Config) -> tuple[Link, Link | None]:
+    """(the slowest link between workers, the slowest link inside a site when there are sites)."""
+    if config.network is None:
+        return LOOPBACK, None
+    table = link_table(config, config.run.workers)
+    workers = range(config.run.workers)
+    pairs = [(a, b) for a in workers for b in workers if a != b] or [(0, 0)]
+
+    def slowest(chosen: list[tuple[int, int]]) -> Link:
+        links = [table.link(a, b) for a, b in chosen]
+        return Link(max(x.latency_s for x in links), min(x.bandwidth_Bps for x in links))
+
+    if not config.network.sites:
+        return slowest(pairs), None
+    site_of = {rank: site for site, ranks in config.network.sites.items() for rank in ranks}
+    inside = [(a, b) for a, b in pairs if site_of.get(a, a) == site_of.get(b, b)]
+    return slowest(pairs), (slowest(inside) if inside else None)
+
+
+def message_bytes(config: Config, model: nn.Module) -> int:
+    """Bytes of one model-sized message: float32 parameters, or the codec's frames for them."""
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    if config.codec.name == "none":
+        return sum(4 * math.prod(shape) for shape in shapes)
+    from fast.codecs import build_codec
+
+    codec = build_codec(config.codec.name, **config.codec.options())
+    return sum(codec.encoded_size(shape) for shape in shapes)
+
+
+def cost_options(config: Config, inner_link: Link | None) -> dict[str, Any]:
+    """The strategy's options that its cost model reads (registered defaults included), plus the degree
+    of its topology for the gossip family."""
+    name = config.strategy.name
+    options = dict(config.strategy.options())
+    try:
+        from fast.strategies import strategy_options
+
+        options = strategy_options(config).model_dump()
+    except ConfigError:
+        pass  # a strategy not (yet) registered: price it from the keys as written
+    wanted = COST_OPTIONS[name]
+    chosen = {k: v for k, v in options.items() if k in wanted and v is not None and k != "degree"}
+    if chosen.get("hierarchical") == 0:
+        del chosen["hierarchical"]
+    if "overlap" in wanted and name in OVERLAP:
+        chosen.setdefault("overlap", OVERLAP[name])
+    if name in PEER_STRATEGIES and config.run.workers > 1:
+        from fast.topology import parse_topology
+
+        if options.get("schedule"):
+            chosen["degree"], chosen["peers_per_round"] = config.run.workers - 1, 1
+        else:
+            spec = options.get("topology", "ring")
+            topology = parse_topology(spec, config.run.workers, seed=config.run.seed)
+            chosen["degree"] = max(topology.degree(rank) for rank in range(config.run.workers))
+            if chosen.get("peers_per_round"):
+                chosen["peers_per_round"] = min(chosen["peers_per_round"], chosen["degree"])
+    if inner_link is not None and ("hierarchical" in chosen or "group_size" in chosen) and "inner_link" in wanted:
+        chosen["inner_link"] = inner_link
+    return chosen
+
+
+# -- predictions --------------------------------------------------------------------------------------------
+def predict(
+    config: Config,
+    name: str | None = None,
+    *,
+    dataset: Dataset | None = None,
+    compute_s: float | None = None,
+    model: nn.Module | None = None,
+) -> Prediction:
+    """The predicted step of one config; `compute_s` (one step's computation) is measured when not given."""
+    from fast.models import build_model
+    from fast.worker import steps_per_epoch
+
+    dataset = dataset if dataset is not None else _dataset(config)
+    run = config.run
+    if model is None:
+        model = build_model(config.model.name, dataset.input_shape, dataset.num_classes)
+    shards = partition(dataset.y_train, run.workers, config.data.partition, alpha=config.data.alpha, seed=run.seed)
+    steps = steps_per_epoch(shards, run.batch_size)
+    link, inner_link = _links_between_workers(config)
+    nbytes = message_bytes(config, model)
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ratio = compute_communication_ratio(model, dataset.input_shape)
+    base = Prediction(
+        name or run.name, config.strategy.name, None, steps, run.workers, nbytes, link, config.model.name,
+        parameters, ratio,
+    )  # fmt: skip
+    if config.strategy.name not in COST_OPTIONS:
+        return _with(base, problem=f"no cost model for strategy {config.strategy.name!r}")
+    if compute_s is None:
+        compute_s = measure_compute_s(config, dataset, model)
+    try:
+        cost = step_cost(
+            config.strategy.name,
+            nbytes=nbytes,
+            workers=run.workers,
+            link=link,
+            compute_s=effective_compute_s(config, compute_s),
+            **cost_options(config, inner_link),
+        )
+    except ConfigError as e:
+        return _with(base, problem=str(e))
+    return _with(base, cost=cost)
+
+
+def _with(prediction: Prediction, **changes: Any) -> Prediction:
+    return Prediction(**{**prediction.__dict__, **changes})
+
+
+def predicted_step_time(config: Config, *, dataset: Dataset | None = None, model: nn.Module | None = None) -> float:
+    """Predicted seconds per step of `config` (ConfigError when its strategy has no cost model)."""
+    prediction = predict(config, dataset=dataset, model=model)
+    if prediction.cost is None:
+        raise ConfigError(f"cannot predict the step time: {prediction.problem}")
+    return prediction.cost.time_s
+
+
+def config_for_prediction(data: dict[str, Any]) -> Config:
+    """The validated config; a strategy that is not registered (yet) is accepted with its keys as written,
+    since the cost model needs only its name and options."""
+    try:
+        return load_config(data)
+    except ConfigError:
+        from fast.strategies import registry
+
+        if data.get("strategy", {}).get("name", "sync") in registry():
+            raise
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def predict_variants(source: str | Path | dict[str, Any]) -> list[Prediction]:
+    """A prediction per variant of a config (the base alone when it has no [[variant]]), measuring the
+    compute time once per distinct (data, model, batch size, optimizer, threads)."""
+    found = variants(source)
+    if not found:
+        base = load_config(source)
+        found = [(base.run.name, base.to_dict())]
+    datasets: dict[str, Dataset] = {}
+    computes: dict[str, float] = {}
+    predictions = []
+    for name, data in found:
+        try:
+            config = config_for_prediction(data)
+        except ConfigError as e:
+            raise ConfigError(f"variant {name!r}: {e}") from None
+        data_key = repr(config.data.model_dump())
+        dataset = datasets.setdefault(data_key, _dataset(config))
+        compute_key = repr((data_key, config.model, config.optimizer, config.run.batch_size,
+                            threads_per_worker(config), oversubscription(config)))  # fmt: skip
+        if compute_key not in computes and config.strategy.name in COST_OPTIONS:
+            computes[compute_key] = measure_compute_s(config, dataset)
+        predictions.append(predict(config, name, dataset=dataset, compute_s=computes.get(compute_key)))
+    return predictions
+
+
+# -- output -------------------------------------------------------------------------------------------------
+def prediction_table(predictions: list[Prediction]) -> Table:
+    priced = [p for p in predictions if p.cost is not None]
+    order = sorted(priced, key=lambda p: (p.epoch_s, p.name))
+    rank = {p.name: i + 1 for i, p in enumerate(order)}
+    table = Table(title="FAST predicted (cost model, nothing trained)", header_style="bold")
+    for column in ("variant", "strategy", "workers", "step", "compute", "epoch", "bytes/step", "comm/compute",
+                   "first"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("variant", "strategy") else "right")
+    for p in predictions:
+        if p.cost is None:
+            table.add_row(p.name, p.strategy, str(p.workers), "—", "—", "—", "—", "—", "—")
+            continue
+        ratio = p.cost.comm_s / p.cost.compute_s if p.cost.compute_s > 0 else math.inf
+        table.add_row(
+            p.name,
+            p.strategy,
+            str(p.workers),
+            format_seconds(p.cost.time_s),
+            format_seconds(p.cost.compute_s),
+            format_seconds(p.epoch_s),
+            format_bytes(p.bytes_per_step),
+            f"{ratio:.2f}",
+            str(rank[p.name]),
+        )
+    return table
+
+
+def print_predictions(source: str | Path | dict[str, Any], console: Console | None = None) -> list[Prediction]:
+    """`fast predict CONFIG.toml`: the table, the links it assumed, and the models' CC ratios."""
+    console = console or Console(width=max(Console().width, 110))
+    predictions = predict_variants(source)
+    console.print(prediction_table(predictions))
+    for link in sorted({p.link for p in predictions}, key=lambda x: (x.latency_s, x.bandwidth_Bps)):
+        where = "native loopback" if link == LOOPBACK else "\\[network], the slowest between workers"
+        console.print(
+            f"link: {format_seconds(link.latency_s)} latency, {link.bandwidth_Bps * 8 / 1e6:.4g} Mbit/s ({where})"
+        )
+    for model, parameters, ratio in sorted({(p.model, p.parameters, p.cc_ratio) for p in predictions}):
+        console.print(
+            f"model {model}: {parameters:,} parameters; computation/communication ratio {ratio:.1f} "
+            "(forward FLOPs per sample / parameters, paper 004 Sec. 4.6: high favours synchronous solvers)"
+        )
+    for p in predictions:
+        if p.problem is not None:
+            console.print(f"{escape(p.name)}: not priced: {escape(p.problem)}")
+    priced = [p for p in predictions if p.cost is not None]
+    if priced:
+        best = min(priced, key=lambda p: (p.epoch_s, p.name))
+        console.print(
+            f"first to the target, if all need as many epochs: [bold]{best.name}[/bold] "
+            f"({format_seconds(best.epoch_s)} per epoch)"
+        )
+    return predictions

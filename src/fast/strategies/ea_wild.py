@@ -1,0 +1,220 @@
+"""`ea-wild`: elastic averaging with lock-free updates of the center (paper 004, Algorithm 1).
+
+A master process (rank run.workers) holds the center w̃. Workers are split into groups of `group_size`
+consecutive ranks that train synchronously inside the group (their gradients are averaged every step, so the
+members' weights stay equal); the first member of each group, its leader, talks to the master. Every `tau`
+steps the leader sends the group's weights wʲ and receives the center; the master applies
+w̃ ← w̃ + ηρ(wʲ − w̃) for each arriving group without a lock (one handler thread per group updates the same
+center tensor in place), and every member applies the elastic pull wʲ ← wʲ − ηρ(wʲ − w̃) on top of its
+optimizer's step, so with plain SGD one step is the paper's wʲ ← wʲ − ηρ(wʲ − w̃) − ηΔwʲ. η is the
+optimizer's learning rate, ρ is `rho`. The exchange starts before the forward pass and completes after the
+optimizer step, so it overlaps the gradient computation. Floating-point buffers (batch-norm statistics)
+travel and are averaged with the parameters.
+
+Staleness, recorded by the master for each center update: the updates other groups made to the center since
+this group's previous exchange. The reported model is the center: at the end the master sends its final
+center to every group and every replica loads it. During training rank 0 evaluates the last center it got.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fast.comm import Comm
+from fast.config import Config
+from fast.errors import ConfigError
+from fast.strategies.base import Strategy, StrategyOptions
+
+EXCHANGE, DONE = 1, 2
+TAG, FINAL_TAG = 21, 22
+
+
+class EAWildOptions(StrategyOptions):
+    rho: float = Field(2.0, gt=0, description="elastic coefficient ρ; the moving rate is optimizer.lr * rho")
+    tau: int = Field(1, ge=1, description="steps between exchanges with the master")
+    group_size: int = Field(1, ge=1, description="workers per synchronous group; must divide run.workers")
+
+
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """What elastic averaging moves: the parameters and floating-point buffers, in state_dict order."""
+    return [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
+
+
+def flatten(model: nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in model_tensors(model)])
+
+
+def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in model_tensors(model):
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class EAWild(Strategy):
+    name = "ea-wild"
+    Options = EAWildOptions
+    decentralised = False  # every replica ends holding the center
+    collective_eval = False
+
+    @classmethod
+    def server_count(cls, options: EAWildOptions, workers: int) -> int:
+        return 1
+
+    @classmethod
+    def check(cls, options: EAWildOptions, config: Config) -> None:
+        if config.run.workers % options.group_size:
+            raise ConfigError(
+                f"`strategy.group_size` = {options.group_size} does not divide run.workers = "
+                f"{config.run.workers}: choose a group size that divides the number of workers"
+            )
+        if config.optimizer.lr * options.rho >= 1:
+            raise ConfigError(
+                f"`strategy.rho` = {options.rho:g}: the moving rate optimizer.lr * rho = "
+                f"{config.optimizer.lr * options.rho:g} must be below 1; lower rho"
+            )
+        if config.run.checkpoint_every:
+            raise ConfigError(
+                "`run.checkpoint_every` cannot be used with ea-wild: the master's center is not "
+                "checkpointed, so a resumed run would lose it; set it to 0"
+            )
+
+    # -- shared by workers and the master: the same groups, created in the same order ---------------------------
+    def _groups(self, model: nn.Module) -> None:
+        workers, size = self.ctx.workers, self.options.group_size
+        self.master = workers
+        self.leaders = list(range(0, workers, size))
+        self.alpha = self.ctx.config.optimizer.lr * self.options.rho
+        self.group: Comm | None = None
+        if size > 1:
+            self.group = self.world.subgroups([list(range(r, r + size)) for r in self.leaders])
+        self.links: dict[int, Comm] = {}  # leader -> its own channel with the master
+        for leader in self.leaders:
+            link = self.world.subgroups([[leader, self.master]])
+            if link is not None:
+                self.links[leader] = link
+        self.center = flatten(model).clone()
+
+    # -- worker side ------------------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        self._groups(model)
+        self.leader = self.ctx.rank - self.ctx.rank % self.options.group_size
+        self.link = self.links.get(self.ctx.rank)
+        self.received_center = False
+        self.pending: list[Any] = []
+        if self.ctx.rank == 0:  # the master starts from the workers' common initial weights
+            with self.world.unmetered():
+                self.link.send(self.center, self.master, tag=TAG)
+
+    def before_step(self, step: int) -> None:
+        if step % self.options.tau:
+            return
+        self.sent = flatten(self.model).clone()
+        if self.link is not None:
+            header = torch.tensor([EXCHANGE], dtype=torch.int64)
+            self.pending = [
+                self.link.isend(header, self.master, tag=TAG),
+                self.link.isend(self.sent, self.master, tag=TAG),
+                self.link.irecv(self.center, self.master, tag=TAG),
+            ]
+
+    def after_backward(self, step: int) -> None:
+        if self.group is None:
+            return
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = torch.cat([p.grad.reshape(-1) for p in params])
+        self.group.all_reduce(grads, op="mean")
+        offset = 0
+        for p in params:
+            p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def after_optimizer_step(self, step: int) -> None:
+        if step % self.options.tau:
+            return
+        for handle in self.pending:
+            handle.wait()
+        self.pending = []
+        if self.group is not None:
+            self.group.broadcast(self.center, src=self.leader)
+        self.received_center = True
+        pull = (self.sent - self.center).mul_(self.alpha)
+        offset = 0
+        with torch.no_grad():
+            for t in model_tensors(self.model):
+                t.sub_(pull[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def end_of_run(self) -> None:
+        if self.link is not None:
+            self.link.send(torch.tensor([DONE], dtype=torch.int64), self.master, tag=TAG)
+            self.link.recv(self.center, self.master, tag=FINAL_TAG)
+        if self.group is not None:
+            self.group.broadcast(self.center, src=self.leader)
+        load_flat(self.model, self.center)
+
+    def eval_model(self) -> nn.Module:
+        """Rank 0's view of the center during training: the last center it received."""
+        if not self.received_center:
+            return self.model
+        model = copy.deepcopy(self.model)
+        load_flat(model, self.center)
+        return model
+
+    # -- master side ------------------------------------------------------------------------------------------
+    def setup_server(self, model: nn.Module) -> None:
+        self._groups(model)
+        with self.world.unmetered():
+            self.links[0].recv(self.center, 0, tag=TAG)
+        self.updates = [0] * len(self.leaders)  # one slot per handler thread: counting needs no lock
+
+    def serve(self, model: nn.Module) -> None:
+        """One handler thread per group, all updating `self.center` in place without a lock."""
+        errors: list[BaseException] = []
+        threads = [
+            threading.Thread(target=self._handle, args=(i, leader, errors), name=f"ea-wild-{leader}", daemon=True)
+            for i, leader in enumerate(self.leaders)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        for leader in self.leaders:
+            self.links[leader].send(self.center, leader, tag=FINAL_TAG)
+        load_flat(model, self.center)
+
+    def _handle(self, index: int, leader: int, errors: list[BaseException]) -> None:
+        link = self.links[leader]
+        header = torch.zeros(1, dtype=torch.int64)
+        weights = torch.empty_like(self.center)
+        seen = 0  # center updates when this group last exchanged
+        try:
+            while True:
+                link.recv(header, leader, tag=TAG)
+                if int(header) == DONE:
+                    return
+                link.recv(weights, leader, tag=TAG)
+                snapshot = self.center.clone()  # what this group pulls toward, before its own update
+                reply = link.isend(snapshot, leader, tag=TAG)
+                self.staleness.append(sum(self.updates) - seen)
+                self.center.lerp_(weights, self.alpha)  # w̃ ← w̃ + ηρ(wʲ − w̃), racing the other handlers
+                self.updates[index] += 1
+                seen = sum(self.updates)
+                reply.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            errors.append(e)
+
+    def summary(self) -> dict[str, Any]:
+        if self.ctx.rank < self.ctx.workers:
+            return {}
+        return {"center_updates": sum(self.updates)}

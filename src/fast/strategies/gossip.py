@@ -1,0 +1,330 @@
+"""`gossip`: D-PSGD (Lian et al. 2017; paper 002 Sec. 3.4.2), and what the whole gossip family shares.
+
+Each step every worker mixes its replica with its neighbours' through the mixing matrix W of the topology,
+x_i <- sum_j W_ij x_j, and the optimizer then applies the gradient computed at the unmixed replica (the
+paper's Algorithm 1). The exchange is posted before the forward pass and waited for after backward, so
+communication overlaps the computation.
+
+Options shared by the family (gossip, ad-psgd, push-sum), declared in `PeerOptions`:
+
+- `topology`: a spec for `parse_topology` ("ring", "torus:RxC", "exponential", ...) or an edge list;
+- `schedule`: "exponential-one-peer" | "random-matchings", a time-varying peer choice that replaces the
+  topology in each round;
+- `send_probability`: the probability that an exchange HAPPENS (papers 000/001, incomplete topology
+  training); 1 - send_probability is its drop rate;
+- `peers_per_round`: how many random neighbours a worker calls per round.
+
+In D-PSGD a dropped exchange must leave W symmetric and doubly stochastic, so both ends of a channel decide
+alike: each channel is up in round r when a draw seeded by (seed, r, min(i, j), max(i, j)) says so, and a
+channel that is down moves its weight W_ij onto the diagonal W_ii. With `peers_per_round = k` each worker
+calls k random neighbours (a draw seeded by (seed, r, i) that its neighbours can repeat), and a channel is
+up when either end called the other.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fast.comm import Comm, Handle
+from fast.config import Config
+from fast.errors import ConfigError
+from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
+from fast.topology import PeerSchedule, Topology, parse_schedule, parse_topology
+
+Schedule = Literal["exponential-one-peer", "random-matchings"]
+
+
+class PeerOptions(StrategyOptions):
+    """Who may talk to whom, and how much of that talk happens (the gossip family's keys)."""
+
+    topology: str | list[list[int]] = Field(
+        "ring",
+        description='"ring", "torus:RxC", "exponential", "complete", "star", "random-regular:K" or [[i, j]]',
+    )
+    schedule: Schedule | None = Field(
+        None, description="time-varying peers that replace the topology per round"
+    )
+    send_probability: float = Field(1.0, ge=0, le=1, description="probability that an exchange happens")
+    peers_per_round: int | None = Field(
+        None, ge=1, description="random neighbours called per round; None = all"
+    )
+
+
+class GossipOptions(PeerOptions):
+    weights: Literal["metropolis", "uniform"] = Field("metropolis", description="the mixing rule for W")
+
+
+def build_topology(options: PeerOptions, workers: int, seed: int, weights: str = "metropolis") -> Topology:
+    """The topology the options name, over `workers`; every problem is a ConfigError naming the key."""
+    spec = options.topology
+    if isinstance(spec, list):
+        try:
+            named = 1 + max((int(end) for edge in spec for end in edge), default=-1)
+        except (TypeError, ValueError):
+            named = workers  # not a list of pairs: parse_topology says what is wrong
+        if named != workers:
+            raise ConfigError(
+                f"`strategy.topology` edge list names workers 0..{named - 1} but run.workers = {workers}: "
+                "give every worker a channel or change run.workers"
+            )
+    try:
+        return parse_topology(spec, workers, weights=weights, seed=seed)
+    except ConfigError as e:
+        if "strategy.topology" in str(e):
+            raise
+        raise ConfigError(f"`strategy.topology`: {e}") from None
+
+
+def check_peer_options(options: PeerOptions, config: Config) -> None:
+    """ConfigError for a topology that does not fit the run, or a schedule combined with what it replaces."""
+    if options.schedule is None:
+        build_topology(
+            options, config.run.workers, config.run.seed, getattr(options, "weights", "metropolis")
+        )
+        return
+    for key in ("topology", "peers_per_round"):
+        if key in options.model_fields_set:
+            raise ConfigError(
+                f"`strategy.{key}` and `strategy.schedule` are both set: the schedule chooses the peers of "
+                f"every round, so remove one of them"
+            )
+
+
+class FlatState:
+    """The replica's floating-point tensors (parameters, then floating buffers) seen as one flat vector."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.tensors = [p.data for p in model.parameters()]
+        self.tensors += [b for b in model.buffers() if b.is_floating_point()]
+        self.sizes = [t.numel() for t in self.tensors]
+        self.numel = sum(self.sizes)
+
+    def read(self) -> torch.Tensor:
+        """A copy of the replica's values."""
+        return torch.cat([t.reshape(-1) for t in self.tensors])
+
+    def write(self, flat: torch.Tensor) -> None:
+        for tensor, chunk in zip(self.tensors, flat.split(self.sizes), strict=True):
+            tensor.copy_(chunk.view_as(tensor))
+
+    def add(self, delta: torch.Tensor) -> None:
+        for tensor, chunk in zip(self.tensors, delta.split(self.sizes), strict=True):
+            tensor.add_(chunk.view_as(tensor).to(tensor.device))
+
+
+class RandomPeers:
+    """Whom an asynchronous worker contacts after a step (ad-psgd, push-sum): with `send_probability`, the
+    schedule's peer of that round or `peers_per_round` random neighbours. Ranks returned are global."""
+
+    def __init__(self, options: PeerOptions, ctx: StrategyContext) -> None:
+        self.ranks = ctx.comm.ranks
+        self.me = ctx.comm.index()
+        self.probability = options.send_probability
+        self.count = options.peers_per_round or 1
+        self.generator = ctx.generator
+        self.schedule: PeerSchedule | None = None
+        self.topology: Topology | None = None
+        seed = ctx.config.run.seed
+        if options.schedule is not None:
+            self.schedule = parse_schedule(options.schedule, len(self.ranks), seed=seed)
+            others = [j for j in range(len(self.ranks)) if j != self.me]
+            self.targets_ever = self.sources_ever = [self.ranks[j] for j in others]
+        else:
+            self.topology = build_topology(options, len(self.ranks), seed)
+            neighbours = self.topology.neighbors(self.me)
+            self.targets_ever = self.sources_ever = [self.ranks[j] for j in neighbours]
+
+    def describe(self) -> str:
+        return self.schedule.name if self.schedule is not None else self.topology.name
+
+    def targets(self, step: int) -> list[int]:
+        if torch.rand((), generator=self.generator).item() >= self.probability:
+            return []
+        if self.schedule is not None:
+            return [self.ranks[j] for j in self.schedule.send_to(self.me, step)]
+        neighbours = self.topology.neighbors(self.me)
+        chosen = torch.randperm(len(neighbours), generator=self.generator)[: self.count]
+        return [self.ranks[neighbours[int(k)]] for k in chosen]
+
+
+# -- messages in the background: a listener thread per worker on a channel of its own ------------------------
+MESSAGE, DONE = 0.0, 1.0
+
+
+class Listener(threading.Thread):
+    """Receives (header, body) messages in the background until every expected sender has said DONE.
+
+    A header is a float64 vector whose first entry is MESSAGE or DONE; a MESSAGE header is followed by a
+    float32 body of `body_numel` values, handed to `on_message(sender, header, body)` in this thread. Senders
+    use `send_message` and `send_done`; a pair's messages arrive in the order they were sent, so after a
+    sender's DONE nothing more comes from it. Every receive has the channel's deadline, so the thread ends.
+    """
+
+    def __init__(
+        self,
+        channel: Comm,
+        senders: list[int],
+        header_size: int,
+        body_numel: int,
+        on_message: Callable[[int, torch.Tensor, torch.Tensor], None],
+        tag: int = 0,
+    ) -> None:
+        super().__init__(name="fast-listener", daemon=True)
+        self.channel, self.header_size, self.body_numel = channel, header_size, body_numel
+        self.on_message, self.tag = on_message, tag
+        self.waiting = set(senders)
+        self.received = dict.fromkeys(senders, 0)
+        self.done_headers: dict[int, torch.Tensor] = {}  # also read by the training thread: who has finished
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while self.waiting:
+                header = torch.zeros(self.header_size, dtype=torch.float64)
+                sender = self.channel.recv_from(header, tag=self.tag)
+                if header[0].item() == DONE:
+                    self.waiting.discard(sender)
+                    self.done_headers[sender] = header
+                    continue
+                body = self.channel.recv(torch.empty(self.body_numel), sender, tag=self.tag + 1)
+                self.received[sender] += 1
+                self.on_message(sender, header, body)
+        except BaseException as e:  # handed to the training thread by check() and finish()
+            self.error = e
+
+    def check(self) -> None:
+        """Raise in the training thread what went wrong in this one."""
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        """Wait until every sender said DONE (each receive has a deadline, so this ends)."""
+        self.join()
+        self.check()
+
+
+def send_message(channel: Comm, peer: int, header: list[float], body: torch.Tensor, tag: int = 0) -> None:
+    channel.send(torch.tensor([MESSAGE, *header], dtype=torch.float64), peer, tag=tag)
+    channel.send(body.detach().to("cpu", torch.float32).contiguous(), peer, tag=tag + 1)
+
+
+def send_done(channel: Comm, peers: list[int], header: list[float] | None = None, tag: int = 0) -> None:
+    for peer in peers:
+        channel.send(torch.tensor([DONE, *(header or [])], dtype=torch.float64), peer, tag=tag)
+
+
+# -- D-PSGD -----------------------------------------------------------------------------------------------
+def _seeded(*key: object) -> random.Random:
+    """A generator every worker can rebuild from the same key (str seeds are hashed with SHA-512)."""
+    return random.Random(":".join(map(str, ("fast.gossip", *key))))
+
+
+@dataclass
+class Round:
+    """One worker's part of a gossip round: whom it sends to, whose values it takes and with what weight."""
+
+    sends: list[int]
+    takes: dict[int, float]
+    keep: float
+
+
+class GossipRounds:
+    """Who talks in each round of D-PSGD and with what weights: every worker gets the same answer, from the
+    options, the worker count and the run's seed alone, so both ends of a channel agree without a word."""
+
+    def __init__(self, options: GossipOptions, size: int, seed: int) -> None:
+        self.options, self.seed = options, seed
+        self.schedule: PeerSchedule | None = None
+        self.topology: Topology | None = None
+        if options.schedule is not None:
+            self.schedule = parse_schedule(options.schedule, size, seed=seed)
+        else:
+            self.topology = build_topology(options, size, seed, options.weights)
+
+    def describe(self) -> str:
+        return self.schedule.name if self.schedule is not None else self.topology.name
+
+    def _channel_up(self, round: int, i: int, j: int) -> bool:
+        p = self.options.send_probability
+        return p >= 1 or _seeded("channel", self.seed, round, min(i, j), max(i, j)).random() < p
+
+    def _calls(self, round: int, i: int) -> list[int]:
+        neighbours = self.topology.neighbors(i)
+        k = min(self.options.peers_per_round, len(neighbours))
+        return _seeded("calls", self.seed, round, i).sample(neighbours, k)
+
+    def _talks(self, round: int, i: int, j: int) -> bool:
+        called = (
+            self.options.peers_per_round is None or j in self._calls(round, i) or i in self._calls(round, j)
+        )
+        return called and self._channel_up(round, i, j)
+
+    def plan(self, i: int, round: int) -> Round:
+        """Worker i's part of round `round` (topology indices, not global ranks)."""
+        if self.schedule is not None:
+            sends, sources = self.schedule.send_to(i, round), self.schedule.receive_from(i, round)
+            if self.schedule.symmetric and sources and not self._channel_up(round, i, sources[0]):
+                sends, sources = [], []
+            share = 1.0 / (1 + len(sources))
+            return Round(sends, dict.fromkeys(sources, share), share)
+        neighbours = self.topology.neighbors(i)
+        up = [j for j in neighbours if self._talks(round, i, j)]
+        keep = self.topology.weight(i, i) + sum(self.topology.weight(i, j) for j in neighbours if j not in up)
+        return Round(up, {j: self.topology.weight(i, j) for j in up}, keep)
+
+
+class Gossip(Strategy):
+    name = "gossip"
+    Options = GossipOptions
+
+    @classmethod
+    def check(cls, options: GossipOptions, config: Config) -> None:
+        check_peer_options(options, config)
+        if options.schedule == "exponential-one-peer" and options.send_probability < 1:
+            raise ConfigError(
+                "`strategy.send_probability` < 1 with schedule exponential-one-peer: a dropped one-way "
+                "message makes the mixing not doubly stochastic; use schedule random-matchings or a topology"
+            )
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        self.state = FlatState(model)
+        self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
+        self.exchanges = self.steps = 0
+
+    # -- the exchange, overlapped with forward and backward ----------------------------------------------
+    def before_step(self, step: int) -> None:
+        self.round = self.rounds.plan(self.comm.index(), step)
+        self.mine = self.state.read()
+        ranks = self.comm.ranks
+        self.inbox = {j: torch.empty_like(self.mine) for j in self.round.takes}
+        self.handles: list[Handle] = [self.comm.irecv(buf, ranks[j]) for j, buf in self.inbox.items()]
+        self.handles += [self.comm.isend(self.mine, ranks[j]) for j in self.round.sends]
+
+    def after_backward(self, step: int) -> None:
+        for handle in self.handles:
+            handle.wait()
+        mixed = self.mine * self.round.keep
+        for j, theirs in self.inbox.items():
+            mixed.add_(theirs, alpha=self.round.takes[j])
+        self.state.write(mixed)
+        self.exchanges += len(self.inbox)
+        self.steps += 1
+        self.handles, self.inbox = [], {}
+
+    def summary(self) -> dict[str, object]:
+        figures: dict[str, object] = {
+            "topology": self.rounds.describe(),
+            "mean_peers_per_step": self.exchanges / self.steps if self.steps else 0.0,
+        }
+        if self.rounds.topology is not None:
+            figures["spectral_gap"] = self.rounds.topology.spectral_gap()
+        return figures

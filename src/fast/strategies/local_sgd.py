@@ -1,0 +1,103 @@
+"""`local-sgd`: every worker trains alone for `period` steps, then all replicas are averaged (model averaging).
+
+Optionally the run starts with `warmup_steps` synchronous steps that average gradients every step (the
+replicas stay identical through them). Each worker keeps its own optimizer state (momentum, Adam moments)
+across averaging rounds; only the weights and floating-point buffers are averaged. The last averaging comes
+at the end of the run, so every replica ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fast.strategies.base import Strategy, StrategyOptions
+
+
+class FlatState:
+    """Some of a model's tensors (shared with it, not copied) read and written as one flat vector."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.sizes = [t.numel() for t in tensors]
+        self.numel = sum(self.sizes)
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> FlatState:
+        """Parameters and floating-point buffers (e.g. BatchNorm statistics): everything averaging moves."""
+        return cls([t for t in model.state_dict().values() if t.is_floating_point()])
+
+    @classmethod
+    def of_parameters(cls, model: nn.Module) -> FlatState:
+        return cls([p.detach() for p in model.parameters()])
+
+    @classmethod
+    def of_buffers(cls, model: nn.Module) -> FlatState:
+        return cls([b for b in model.buffers() if b.is_floating_point()])
+
+    def read(self) -> torch.Tensor:
+        if not self.tensors:
+            return torch.zeros(0)
+        return torch.cat([t.detach().reshape(-1) for t in self.tensors])
+
+    @torch.no_grad()
+    def write(self, flat: torch.Tensor) -> None:
+        for tensor, chunk in zip(self.tensors, flat.split(self.sizes), strict=True):
+            tensor.copy_(chunk.view_as(tensor))
+
+
+def flat_gradients(params: list[nn.Parameter]) -> torch.Tensor:
+    """The gradients of `params` as one flat vector (zeros where a parameter got no gradient)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def write_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    for p, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad = chunk.view_as(p).clone()
+
+
+class LocalSGDOptions(StrategyOptions):
+    period: int = Field(8, ge=1, description="local steps between two averagings of the replicas")
+    warmup_steps: int = Field(0, ge=0, description="synchronous steps (averaged gradients) before local SGD")
+
+
+class LocalSGD(Strategy):
+    name = "local-sgd"
+    Options = LocalSGDOptions
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        self.state = FlatState.of_model(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.averagings = 0
+        self.last_step = -1
+        self.last_averaged = -1
+
+    def after_backward(self, step: int) -> None:
+        if step < self.options.warmup_steps:
+            grads = flat_gradients(self.params)
+            self.comm.all_reduce(grads, op="mean")
+            write_gradients(self.params, grads)
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.last_step = step
+        local_steps = step + 1 - self.options.warmup_steps
+        if local_steps > 0 and local_steps % self.options.period == 0:
+            self.average()
+
+    def average(self) -> None:
+        """Replace every replica by the mean of all replicas."""
+        weights = self.state.read()
+        self.comm.all_reduce(weights, op="mean")
+        self.state.write(weights)
+        self.averagings += 1
+        self.last_averaged = self.last_step
+
+    def end_of_run(self) -> None:
+        in_warmup = self.last_step < self.options.warmup_steps  # gradients were averaged: replicas agree
+        if not in_warmup and self.last_averaged != self.last_step:
+            self.average()
+
+    def summary(self) -> dict[str, int]:
+        return {"averagings": self.averagings}

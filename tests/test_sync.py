@@ -1,0 +1,62 @@
+"""`sync` over real processes equals one worker with the combined batch (flat, bucketed, hierarchical)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fast.comm import Comm
+from fast.config import load_config
+from fast.models import build_model
+from fast.strategies import StrategyContext, build_strategy
+
+STEPS, BATCH = 5, 8
+
+
+def _batches(workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, workers * BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (STEPS, workers * BATCH),
+                                                                                  generator=g)
+
+
+def _train(comm: Comm | None, workers: int, momentum: float, hierarchical: int = 0) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    x, y = _batches(workers)
+    strategy = None
+    rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
+    if comm is not None:
+        config = load_config(None, run__workers=workers, strategy__hierarchical=hierarchical,
+                             strategy__bucket_mb=0.01)
+        ctx = StrategyContext(comm=comm, world=comm, config=config, device=torch.device("cpu"), workers=workers,
+                              rank=rank, generator=torch.Generator(), steps_per_epoch=STEPS)
+        strategy = build_strategy(config, ctx)
+        strategy.setup(model, optimizer)
+    per = x.shape[1] // size
+    for t in range(STEPS):
+        xb, yb = x[t, rank * per : (rank + 1) * per], y[t, rank * per : (rank + 1) * per]
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        if strategy is not None:
+            strategy.after_backward(t)
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _variants(comm: Comm) -> dict[str, torch.Tensor]:
+    n = comm.size
+    return {"sgd": _train(comm, n, 0.0), "momentum": _train(comm, n, 0.9),
+            "hierarchical": _train(comm, n, 0.9, hierarchical=2)}
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_sync_with_n_workers_equals_one_worker_with_n_times_the_batch(workers):
+    from tests.distributed import run_distributed
+
+    out = run_distributed(_variants, workers)
+    expected = {"sgd": _train(None, workers, 0.0), "momentum": _train(None, workers, 0.9)}
+    expected["hierarchical"] = expected["momentum"]
+    for rank in range(workers):
+        for name, reference in expected.items():
+            torch.testing.assert_close(out[rank][name], reference, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+    assert not torch.equal(expected["sgd"], expected["momentum"])
