@@ -46,8 +46,8 @@ def test_bytes_sent_are_what_ring_all_reduce_moves(digits_run):
     summary, _ = digits_run
     params = sum(p.numel() for p in fast.models.build_model("mlp", (1, 8, 8), 10).parameters())
     steps = summary["steps_per_worker"]
-    # 2 workers: each sends 2(N-1)/N = 1x the gradient per step (buckets add no bytes)
-    assert summary["bytes_sent"] == 2 * steps * params * 4
+    # 2 workers: each sends 2(N-1)/N = 1x the gradient per step, plus one count element per bucket (one here)
+    assert summary["bytes_sent"] == 2 * steps * (params + 1) * 4
 
 
 def _fail_on_rank_1(model, x, y):
@@ -78,3 +78,27 @@ def test_custom_model_and_dirichlet_partition(tmp_path):
 
 def _tiny_model(input_shape, classes):
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, classes))
+
+
+def _nan_on_rank_1(model, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    bad = os.environ["RANK"] == "1" and int(os.environ.get("NAN_STEPS", "1000")) > _nan_on_rank_1.calls
+    _nan_on_rank_1.calls += 1
+    return loss * float("nan") if bad else loss
+
+
+_nan_on_rank_1.calls = 0
+
+
+def test_nan_on_one_worker_is_skipped_counted_and_never_reaches_the_other(tmp_path, monkeypatch):
+    monkeypatch.setenv("NAN_STEPS", "3")  # the first three steps of worker 1 produce NaN
+    summary = fast.train(None, out=str(tmp_path), step_fn=_nan_on_rank_1, **{**DIGITS, "run__epochs": 1})
+    assert summary["skipped_steps"] == 3
+    assert summary["final_test_accuracy"] > 0.5
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(bool(torch.isfinite(v).all()) for v in state.values())
+
+
+def test_nan_for_max_bad_steps_in_a_row_stops_the_run_with_a_clear_message(tmp_path, no_orphans):
+    with pytest.raises(WorkerFailed, match=r"worker 1: NaN or Inf .* for 4 steps in a row \(run.max_bad_steps\)"):
+        fast.train(None, out=str(tmp_path), step_fn=_nan_on_rank_1, run__max_bad_steps=4, **DIGITS)

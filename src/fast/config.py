@@ -32,6 +32,7 @@ class RunConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
     deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
+    max_bad_steps: int = Field(10, ge=1, description="stop after this many NaN/Inf steps in a row on a worker")
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 = cores / workers")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")

@@ -275,9 +275,16 @@ def _with(prediction: Prediction, **changes: Any) -> Prediction:
     return Prediction(**{**prediction.__dict__, **changes})
 
 
-def predicted_step_time(config: Config, *, dataset: Dataset | None = None, model: nn.Module | None = None) -> float:
-    """Predicted seconds per step of `config` (ConfigError when its strategy has no cost model)."""
-    prediction = predict(config, dataset=dataset, model=model)
+def predicted_step_time(
+    config: Config,
+    *,
+    dataset: Dataset | None = None,
+    model: nn.Module | None = None,
+    compute_s: float | None = None,
+) -> float:
+    """Predicted seconds per step of `config` (ConfigError when its strategy has no cost model); one step's
+    computation takes `compute_s` (e.g. as measured in the run itself), else it is measured here."""
+    prediction = predict(config, dataset=dataset, model=model, compute_s=compute_s)
     if prediction.cost is None:
         raise ConfigError(f"cannot predict the step time: {prediction.problem}")
     return prediction.cost.time_s

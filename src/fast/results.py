@@ -48,12 +48,13 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _predicted_step_time(worker: Worker) -> float | None:
-    """The cost model's step time for this run (fast.predict), beside the measured one; None if unpriced."""
+def _predicted_step_time(worker: Worker, compute_s: float | None) -> float | None:
+    """The cost model's step time for this run (fast.predict) from the compute time the run measured, to
+    set beside the measured step time; None when the strategy has no cost model."""
     from fast.predict import predicted_step_time
 
     try:
-        return predicted_step_time(worker.config, dataset=worker.data, model=worker.model)
+        return predicted_step_time(worker.config, dataset=worker.data, model=worker.model, compute_s=compute_s)
     except ConfigError:
         return None
 
@@ -68,7 +69,9 @@ def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] 
         "counter": worker.world.counter.snapshot(),
         "strategy": worker.strategy.summary(),
         "steps": 0 if worker.is_server else worker.total_steps,
+        "skipped_steps": worker.skipped_steps,
         "time_s": worker.clock.now() if hasattr(worker, "clock") else 0.0,
+        "compute_s": worker.machine.compute_s,
     }
     if emulated(worker.config):
         own["deployment"] = record_of(worker.machine, worker.world)
@@ -103,6 +106,8 @@ def summarize(worker: Worker, everyone: list[dict[str, Any]]) -> dict[str, Any]:
     evals = worker.evals
     final = evals[-1] if evals else {}
     wall = max(p["time_s"] for p in trainers)
+    computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
+    compute_s = sum(computes) / len(computes) if computes else None  # forward + backward, as measured
     samples = sum(p["steps"] for p in trainers) * run.batch_size
     sent = sum(p["counter"]["bytes_sent"] for p in everyone)
     uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
@@ -135,12 +140,14 @@ def summarize(worker: Worker, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
         "max_staleness": max(staleness) if staleness else None,
         "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
+        "skipped_steps": sum(p["skipped_steps"] for p in everyone),
         "replica_divergence": final.get("divergence"),
         "worker_test_accuracy": [p.get("own_test_accuracy") for p in trainers] if decentralised else None,
         "evaluations": evals,
         "config": config.to_dict(),
         "env": environment(),
-        "predicted_step_time_s": _predicted_step_time(worker),
+        "step_compute_s": compute_s,
+        "predicted_step_time_s": _predicted_step_time(worker, compute_s),
     }
     if emulated(config):
         summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])

@@ -26,6 +26,7 @@ from fast import checkpoint, engine
 from fast.comm import Comm
 from fast.config import Config, OptimizerConfig
 from fast.data import Dataset, load_dataset, partition
+from fast.errors import FastError
 from fast.deployment import machine_for, network_for
 from fast.evaluate import evaluate
 from fast.models import build_model
@@ -164,6 +165,7 @@ class Worker:
         self.resume = resume
         self.metrics_file = run_dir / "workers" / f"metrics-{rank}.jsonl"
         self.progress: Progress | None = None
+        self.skipped_steps, self.bad_in_a_row, self.last_bad = 0, 0, -2
         self.machine = machine_for(config, rank, self.metrics_file)  # emulated slowdown, stragglers, crash
 
     # -- data order: a function of (seed, epoch, rank) only, so a resumed run sees the same batches ----------
@@ -210,13 +212,18 @@ class Worker:
             with self.machine.step(step):
                 loss = self.step_fn(self.model, x, y)
                 loss.backward()
+            bad = self._discard_if_not_finite(loss)
             self.strategy.after_backward(step)
-            self.optimizer.step()
+            if bad:
+                self._bad_step(step)
+            if not bad or self.strategy.averages_gradients:
+                self.optimizer.step()
             self.strategy.after_optimizer_step(step)
-            loss_sum += float(loss.detach())
-            loss_count += 1
+            if not bad:
+                loss_sum += float(loss.detach())
+                loss_count += 1
             done = step + 1
-            if done % log_every == 0 or done == self.total_steps:
+            if (done % log_every == 0 or done == self.total_steps) and loss_count:
                 self._record(done, loss_sum / loss_count)
                 loss_sum, loss_count = 0.0, 0
             if self.eval_due(done):
@@ -229,6 +236,26 @@ class Worker:
         if self.progress is not None:
             self.progress.close()
         return self._finish(self.final)
+
+    def _discard_if_not_finite(self, loss: torch.Tensor) -> bool:
+        """A NaN or Inf in the loss or a gradient: zero this worker's gradients so none leaves it."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+        if not finite:
+            for g in grads:
+                g.zero_()
+        return not finite
+
+    def _bad_step(self, step: int) -> None:
+        self.skipped_steps += 1
+        self.bad_in_a_row = self.bad_in_a_row + 1 if self.last_bad == step - 1 else 1
+        self.last_bad = step
+        limit = self.config.run.max_bad_steps
+        if self.bad_in_a_row >= limit:
+            raise FastError(
+                f"worker {self.rank}: NaN or Inf in the loss or gradients for {limit} steps in a row "
+                f"(run.max_bad_steps); lower optimizer.lr or check the data and the step function"
+            )
 
     def _record(self, step: int, loss: float | None, **extra: Any) -> None:
         counter = self.world.counter

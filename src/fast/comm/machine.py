@@ -100,6 +100,11 @@ class EmulatedMachine:
         self._steps_timed += 1
         self._compute_s += (time.perf_counter() - started - self._compute_s) / self._steps_timed
 
+    @property
+    def compute_s(self) -> float | None:
+        """Mean measured compute time of a step (forward and backward, before any slowdown), None before any."""
+        return self._compute_s if self._steps_timed else None
+
     def _crash(self, step: int | None = None) -> None:
         elapsed = round(time.time() - self.origin, 4)
         where = f"before step {step}" if step is not None else f"{elapsed:g} s after the start"

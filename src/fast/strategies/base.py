@@ -56,6 +56,9 @@ class Strategy:
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
     decentralised: ClassVar[bool] = True  # replicas may differ, so `final_model` chooses what is reported
     collective_eval: ClassVar[bool] = True  # False: during training only rank 0 evaluates, and nobody waits
+    # True: after_backward leaves the same averaged gradient on every replica (bad workers excluded), so a
+    # worker whose own gradient was not finite still steps, to stay identical to the others
+    averages_gradients: ClassVar[bool] = False
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options

@@ -25,12 +25,17 @@ class SyncOptions(StrategyOptions):
 
 
 class Bucket:
-    """A run of parameters whose gradients travel together in one flat buffer."""
+    """A run of parameters whose gradients travel together in one flat buffer.
+
+    The buffer's last element counts the workers that contributed: a worker whose gradients in this bucket
+    are not finite sends zeros and a count of 0, so a NaN or Inf never reaches another replica and the
+    average is taken over the workers that had good gradients.
+    """
 
     def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), device=device)
-        self.views = list(torch.split(self.buffer, [p.numel() for p in params]))
+        self.buffer = torch.zeros(sum(p.numel() for p in params) + 1, device=device)
+        self.views = list(torch.split(self.buffer[:-1], [p.numel() for p in params]))
         self.ready = 0
         self.handle: Handle | None = None
 
@@ -40,6 +45,14 @@ class Bucket:
                 view.zero_()
             else:
                 view.copy_(p.grad.reshape(-1))
+        finite = bool(torch.isfinite(self.buffer[:-1]).all())
+        if not finite:
+            self.buffer.zero_()
+        self.buffer[-1] = 1.0 if finite else 0.0
+
+    def average(self) -> None:
+        count = float(self.buffer[-1])
+        self.buffer[:-1].div_(count) if count > 0 else self.buffer.zero_()
 
     def write_back(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):
@@ -53,6 +66,7 @@ class Sync(Strategy):
     name = "sync"
     Options = SyncOptions
     decentralised = False
+    averages_gradients = True
 
     @classmethod
     def check(cls, options: SyncOptions, config: Config) -> None:
@@ -110,6 +124,6 @@ class Sync(Strategy):
                 if self.leaders is not None:
                     self.leaders.all_reduce(bucket.buffer)
                 self.group.broadcast(bucket.buffer, src=self.group.ranks[0])
-            bucket.buffer.div_(self.comm.size)
+            bucket.average()
             bucket.write_back()
             bucket.ready, bucket.handle = 0, None
