@@ -1,6 +1,8 @@
 """Emulated deployments: delays that match latency + bytes/bandwidth, collectives as rounds of messages,
 lost and down links, seeded stragglers, deployment config checks, and a run that records it all."""
 
+import json
+import multiprocessing
 import time
 
 import pytest
@@ -9,11 +11,10 @@ import torch
 from fast.comm import MessageLost
 from fast.comm.emulation import EmulatedComm, Network
 from fast.comm.links import EmulatedLink, LinkTable, Outage
-from fast.comm.machine import EmulatedMachine, MachinePlan
+from fast.comm.machine import CRASH_EXIT_CODE, EmulatedMachine, MachinePlan
 from fast.config import load_config
 from fast.deployment import link_table, machine_for
 from fast.errors import ConfigError
-from fast.launch import WorkerFailed
 from tests.distributed import run_distributed
 
 LATENCY_S = 0.05
@@ -341,9 +342,25 @@ def test_an_emulated_run_records_its_deployment_and_prediction(tmp_path, monkeyp
     assert summary["bytes_sent"] > 0 and summary["final_test_accuracy"] is not None
 
 
-def test_a_crash_fault_stops_the_worker_abruptly(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAST_PROGRESS", "0")
-    with pytest.raises(WorkerFailed):  # the survivors see the peer vanish, and the launcher stops the run
-        _tiny_run(tmp_path, faults__crash=[{"worker": 1, "step": 3}])
-    events = (tmp_path / "workers" / "metrics-1.jsonl").read_text()
-    assert '"fault": "crash"' in events and '"step": 3' in events
+def _crash_child(events_file, crash_step, crash_time_s):
+    machine = EmulatedMachine(MachinePlan(rank=2, crash_step=crash_step, crash_time_s=crash_time_s), events_file)
+    machine.start()
+    for step in range(1000):
+        machine.before_step(step)
+        time.sleep(0.01)
+        machine.after_step()
+
+
+def test_a_crash_fault_ends_the_process_abruptly_at_its_step_or_time(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    by_step = context.Process(target=_crash_child, args=(tmp_path / "step.jsonl", 3, None))
+    by_time = context.Process(target=_crash_child, args=(tmp_path / "time.jsonl", None, 0.3))
+    for process in (by_step, by_time):
+        process.start()
+    for process in (by_step, by_time):
+        process.join(60)
+        assert process.exitcode == CRASH_EXIT_CODE
+    at_step = json.loads((tmp_path / "step.jsonl").read_text())
+    assert at_step["fault"] == "crash" and at_step["worker"] == 2 and at_step["step"] == 3
+    at_time = json.loads((tmp_path / "time.jsonl").read_text())
+    assert "step" not in at_time and at_time["time_s"] >= 0.3

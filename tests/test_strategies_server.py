@@ -89,12 +89,21 @@ def _reference(momentum: float, elastic: float | None = None) -> torch.Tensor:
     return _flat(model)
 
 
+def _one_worker_runs(world: Comm) -> dict[str, torch.Tensor | None]:
+    """Both server strategies with one worker and one server process, one after the other."""
+    return {
+        "async-ps": _drive(world, 1, {"strategy__name": "async-ps", "strategy__server_momentum": 0.9}),
+        "ea-wild": _drive(world, 1, {"strategy__name": "ea-wild", "strategy__rho": 2.0, "optimizer__momentum": 0.0}),
+    }
+
+
+def test_with_one_worker_async_ps_is_sgd_on_the_server_and_ea_wild_is_algorithm_1():
+    out = run_distributed(_one_worker_runs, 2)[0]
+    torch.testing.assert_close(out["async-ps"], _reference(momentum=0.9))
+    torch.testing.assert_close(out["ea-wild"], _reference(momentum=0.0, elastic=LR * 2.0))
+
+
 # -- async-ps -------------------------------------------------------------------------------------------------
-def test_async_ps_with_one_worker_is_sgd_with_momentum_on_the_server():
-    out = run_distributed(_drive, 2, 1, {"strategy__name": "async-ps", "strategy__server_momentum": 0.9})
-    torch.testing.assert_close(out[0], _reference(momentum=0.9))
-
-
 def test_server_gradient_divides_by_staleness_and_compensates_delay():
     g, now, backup = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.0, 1.0])
     assert compensated_gradient(g, now, backup, staleness=4, staleness_lr=False, dc_lambda=0).tolist() == [1, -2]
@@ -152,12 +161,6 @@ def test_async_ps_run_sends_exact_bytes_records_staleness_and_exits(tmp_path, no
 
 
 # -- ea-wild --------------------------------------------------------------------------------------------------
-def test_ea_wild_with_one_worker_is_algorithm_1_and_reports_the_center():
-    rho = 2.0
-    out = run_distributed(_drive, 2, 1, {"strategy__name": "ea-wild", "strategy__rho": rho, "optimizer__momentum": 0.0})
-    torch.testing.assert_close(out[0], _reference(momentum=0.0, elastic=LR * rho))
-
-
 def test_ea_wild_options_are_checked():
     with pytest.raises(ConfigError, match="group_size"):
         load_config(None, run__workers=4, strategy__name="ea-wild", strategy__group_size=3)

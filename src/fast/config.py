@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ class RunConfig(Section):
     log_every: int = Field(20, ge=1, description="steps between metric records")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
+    max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
     deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
     max_bad_steps: int = Field(10, ge=1, description="stop after this many NaN/Inf steps in a row on a worker")
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 = cores / workers")
@@ -164,9 +166,42 @@ def build_config(data: dict[str, Any]) -> Config:
         raise ConfigError(_describe(e)) from None
     from fast.strategies import validate_strategy_options
 
+    check_codec(config.codec)
     validate_strategy_options(config)
+    check_codec_fits_strategy(config)
     check_deployment(config)
     return config
+
+
+def check_codec_fits_strategy(config: Config) -> None:
+    """ConfigError when the strategy does not apply the configured codec to what it sends."""
+    from fast.strategies import strategy_class
+
+    usable = strategy_class(config.strategy.name).codecs
+    if config.codec.name not in usable:
+        raise ConfigError(
+            f"`codec.name` = {config.codec.name!r} does not work with strategy {config.strategy.name!r}, which "
+            f"can use {', '.join(repr(name) for name in usable)}: change codec.name or strategy.name"
+        )
+
+
+def check_codec(codec: CodecConfig) -> None:
+    """ConfigError naming `codec.<key>` for an unknown codec, option or value (the codec registry decides)."""
+    from fast.codecs import CODECS, build_codec, codec_options
+
+    if codec.name not in CODECS:
+        raise ConfigError(f"`codec.name` = {codec.name!r} is not a codec: choose one of {', '.join(CODECS)}")
+    valid = codec_options(codec.name)
+    for key in codec.options():
+        if key not in valid:
+            raise ConfigError(f"unknown key `codec.{key}`: codec {codec.name!r} takes {', '.join(valid)}")
+    try:
+        build_codec(codec.name, **codec.options())
+    except ConfigError as e:
+        message = re.sub(r"codec option (\w+)", r"`codec.\1`", str(e))
+        if "`codec." not in message:  # the rules on ef-sign, dgc and error feedback
+            message = f"`codec.error_feedback`: {message}"
+        raise ConfigError(message) from None
 
 
 def load_config(source: str | Path | dict[str, Any] | Config | None = None, **overrides: Any) -> Config:

@@ -49,12 +49,18 @@ def start(
     """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`: one whose
     traffic crosses the emulated links of `network` when given."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=deadline_s)
+    # under torch's elastic agent (torchrun, run.max_restarts) the agent hosts the store and keeps it across
+    # restarts, so every attempt gets keys of its own; otherwise rank 0 hosts it
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{addr}:{port}",
+        store=dist.PrefixStore(f"fast/attempt-{attempt}", store),
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=deadline_s),
+        timeout=timeout,
     )
     if network is not None:
         return EmulatedComm(network=network, deadline_s=deadline_s, device=device)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from fast.errors import CommError, FastError
 
 GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
@@ -117,6 +119,36 @@ def launch(
     if failure is not None:
         raise WorkerFailed(failure)
     return outputs
+
+
+@record
+def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple) -> bytes:
+    _die_with_parent()
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return pickle.dumps(fn(*args))
+
+
+def launch_elastic(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, addr: str = "127.0.0.1", port: int,
+                   threads: int = 1, max_restarts: int = 1) -> dict[int, Any]:
+    """Like `launch`, under torch's elastic agent: if any worker fails, all are restarted (up to `max_restarts`
+    times) with TORCHELASTIC_RESTART_COUNT set, so that they resume from their last checkpoint."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"fast-{port}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", max_restarts=max_restarts,
+                          monitor_interval=0.2, start_method="spawn", local_addr=addr)
+    try:
+        outputs = elastic_launch(config, _elastic_child)(fn, threads, args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        data = failure.error_file_data or {}
+        text = str(data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else "")
+        code = failure.exitcode
+        reason = text.strip().splitlines()[0] if text.strip() else (
+            f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        raise WorkerFailed(f"worker {rank} failed and {max_restarts} restart(s) are used up: {reason}") from None
+    return {rank: pickle.loads(value) for rank, value in outputs.items()}
 
 
 class _Error:

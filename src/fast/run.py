@@ -11,7 +11,7 @@ from fast import engine
 from fast.config import Config, load_config
 from fast.data import load_dataset
 from fast.errors import ConfigError
-from fast.launch import launch
+from fast.launch import launch, launch_elastic
 from fast.strategies import strategy_class
 from fast.worker import UserCode, server_count, worker_main
 
@@ -72,14 +72,12 @@ def train(
     addr = config.run.master_addr
     port = config.run.master_port or engine.free_port(addr)
     threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
-    outputs = launch(
-        worker_main,
-        nprocs,
-        (config, run_dir, user, resume is not None),
-        addr=addr,
-        port=port,
-        threads=threads,
-    )
+    args = (config, run_dir, user, resume is not None)
+    if config.run.max_restarts:
+        outputs = launch_elastic(worker_main, nprocs, args, addr=addr, port=port, threads=threads,
+                                 max_restarts=config.run.max_restarts)
+    else:
+        outputs = launch(worker_main, nprocs, args, addr=addr, port=port, threads=threads)
     summary = outputs[0]
     summary["run_dir"] = str(run_dir)
     return summary

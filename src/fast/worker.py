@@ -26,8 +26,8 @@ from fast import checkpoint, engine
 from fast.comm import Comm
 from fast.config import Config, OptimizerConfig
 from fast.data import Dataset, load_dataset, partition
-from fast.errors import FastError
 from fast.deployment import machine_for, network_for
+from fast.errors import FastError
 from fast.evaluate import evaluate
 from fast.models import build_model
 from fast.progress import Progress
@@ -206,12 +206,12 @@ class Worker:
         log_every = self.config.run.log_every
         loss_sum, loss_count = 0.0, 0
         for step in range(self.start_step, self.total_steps):
+            self.machine.before_step(step)  # emulated crash, straggler pause, slowdown
             x, y = self.batch(step)
             self.strategy.before_step(step)
             self.optimizer.zero_grad(set_to_none=True)
-            with self.machine.step(step):
-                loss = self.step_fn(self.model, x, y)
-                loss.backward()
+            loss = self.step_fn(self.model, x, y)
+            loss.backward()
             bad = self._discard_if_not_finite(loss)
             self.strategy.after_backward(step)
             if bad:
@@ -219,6 +219,7 @@ class Worker:
             if not bad or self.strategy.averages_gradients:
                 self.optimizer.step()
             self.strategy.after_optimizer_step(step)
+            self.machine.after_step()  # times the step's own work, its communication waits left out
             if not bad:
                 loss_sum += float(loss.detach())
                 loss_count += 1
@@ -240,7 +241,13 @@ class Worker:
     def _discard_if_not_finite(self, loss: torch.Tensor) -> bool:
         """A NaN or Inf in the loss or a gradient: zero this worker's gradients so none leaves it."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+        # min and max are NaN or infinite exactly when some element is: one cheap reduction per gradient and
+        # one sync, several times faster on CPU than isfinite(g).all() per gradient
+        extremes = [
+            loss.detach().float().reshape(-1),
+            *(torch.stack(torch.aminmax(g)).float() for g in grads if g.numel()),
+        ]
+        finite = bool(torch.isfinite(torch.cat(extremes)).all())
         if not finite:
             for g in grads:
                 g.zero_()
@@ -362,6 +369,7 @@ def worker_main(config: Config, run_dir: Path, user: UserCode, resume: bool = Fa
         config.run.deadline_s,
         network_for(config, world_size, rank),
     )
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # restarted by the agent
     try:
         return Worker(config, run_dir, user, world, rank, resume).run()
     finally:

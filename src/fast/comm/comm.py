@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fast.comm.accounting import ByteCounter
+from fast.comm.waiting import waiting
 from fast.errors import CommError, CommTimeout
 
 
@@ -51,14 +52,15 @@ class Handle:
 
     def wait(self) -> Any:
         if not self._done:
-            try:
-                self._work.wait(timedelta(seconds=self.deadline_s))
-            except Exception as e:  # the backend's timeout and connection errors both end here
-                raise _comm_error(self.op, self.peer, self.deadline_s, e) from None
-            self._done = True
-            if self._on_done is not None:
-                out = self._on_done()
-                self._result = out if out is not None else self._result
+            with waiting():
+                try:
+                    self._work.wait(timedelta(seconds=self.deadline_s))
+                except Exception as e:  # the backend's timeout and connection errors both end here
+                    raise _comm_error(self.op, self.peer, self.deadline_s, e) from None
+                self._done = True
+                if self._on_done is not None:
+                    out = self._on_done()
+                    self._result = out if out is not None else self._result
         return self._result
 
 

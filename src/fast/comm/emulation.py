@@ -29,7 +29,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,6 +39,7 @@ import torch.distributed as dist
 from fast.comm.comm import Comm, Handle, MessageLost
 from fast.comm.links import LinkTable
 from fast.comm.seeded import uniform
+from fast.comm.waiting import waiting
 from fast.errors import CommError
 
 COLLECTIVE_TAG = 0x3F000000  # the tag of emulated collectives' rounds; strategies use small tags
@@ -126,9 +126,11 @@ class Network:
 
 
 def sleep_until(t: float) -> None:
+    """Wait (as communication: see `fast.comm.waiting`) until time.time() reaches `t`."""
     delay = t - time.time()
     if delay > 0:
-        time.sleep(delay)
+        with waiting():
+            time.sleep(delay)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -320,10 +322,10 @@ class EmulatedComm(Comm):
         if self.size == 1:
             rounds()
             return Handle(None, op, "the group", self.deadline_s, result)
-        metered = self.counter.metered  # the background thread takes the caller's metering
+        context = self.counter.context()  # the background thread counts as the caller (metering, compression)
 
         def run() -> None:
-            with nullcontext() if metered else self.counter.unmetered():
+            with self.counter.entered(context):
                 rounds()
 
         # the rounds' own receives time out first, with the peer's name; this is a backstop

@@ -1,11 +1,12 @@
 """The emulated machine under a worker: slower compute, random stragglers and crash faults, once per step.
 
-Compute is made slower by sleeping before each step's computation: (factor − 1) × the mean compute time
-measured so far, where factor is the worker's slowdown, times a Pareto-distributed draw when `heavy_tail`
-is set (capped at `heavy_tail_max`). A straggler pauses `straggler_pause_s` with probability
-`straggler_probability` per step. Each draw is keyed by (seed, rank, step), so it repeats exactly. A crash
-ends the process abruptly (`os._exit`, no clean-up, as a machine failure would) before a given step or at
-a given time from the start of training, after writing one line to the worker's metrics file.
+Compute is made slower by sleeping at the top of each step: (factor − 1) × the mean work of a step
+measured so far (its time minus its waits on communication), where factor is the worker's slowdown, times
+a Pareto-distributed draw when `heavy_tail` is set (capped at `heavy_tail_max`). A straggler pauses
+`straggler_pause_s` with probability `straggler_probability` per step. Each draw is keyed by (seed, rank,
+step), so it repeats exactly. A crash ends the process abruptly (`os._exit`, no clean-up, as a machine
+failure would) before a given step or at a given time from the start of training, after writing one line
+to the worker's metrics file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fast.comm.seeded import uniform
+from fast.comm.waiting import waited_s
 
 CRASH_EXIT_CODE = 1
 MAX_RECORDED_PAUSES = 1000
@@ -65,6 +67,8 @@ class EmulatedMachine:
         self.origin = time.time()
         self._compute_s = 0.0
         self._steps_timed = 0
+        self._started: float | None = None
+        self._waited = 0.0
         self.slowdown_s = 0.0
         self.pauses: list[list[float]] = []
         self.paused_s = 0.0
@@ -80,9 +84,8 @@ class EmulatedMachine:
             timer.daemon = True
             timer.start()
 
-    @contextmanager
-    def step(self, step: int) -> Iterator[None]:
-        """Around one step's computation (forward and backward): crash, stall or slow down before it."""
+    def before_step(self, step: int) -> None:
+        """At the top of a step: crash, stall, or slow down in proportion to the step's own work."""
         plan = self.plan
         if plan.crash_step is not None and step >= plan.crash_step:
             self._crash(step)
@@ -95,14 +98,28 @@ class EmulatedMachine:
         if extra + pause > 0:
             self.slowdown_s += extra
             time.sleep(extra + pause)
-        started = time.perf_counter()
-        yield
+        self._started, self._waited = time.perf_counter(), waited_s()
+
+    def after_step(self) -> None:
+        """At the end of a step: time its own work, which is everything but its waits on communication."""
+        if self._started is None:
+            return
+        work = (time.perf_counter() - self._started) - (waited_s() - self._waited)
+        self._started = None
         self._steps_timed += 1
-        self._compute_s += (time.perf_counter() - started - self._compute_s) / self._steps_timed
+        self._compute_s += (work - self._compute_s) / self._steps_timed
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """`before_step` and `after_step` around a block that is one step."""
+        self.before_step(step)
+        yield
+        self.after_step()
 
     @property
     def compute_s(self) -> float | None:
-        """Mean measured compute time of a step (forward and backward, before any slowdown), None before any."""
+        """Mean measured work of a step (all but its communication waits, before any slowdown); None before
+        any step."""
         return self._compute_s if self._steps_timed else None
 
     def _crash(self, step: int | None = None) -> None:

@@ -40,9 +40,7 @@ REQUEST, REPLY = 0, 2  # the listener uses tags REQUEST (header) and REQUEST + 1
 
 
 class ADPSGDOptions(PeerOptions):
-    peers_per_round: int | None = Field(
-        1, ge=1, description="neighbours averaged with, one after another, per step"
-    )
+    peers_per_round: int = Field(1, ge=1, description="neighbours averaged with, one after another, per step")
 
 
 class ADPSGD(Strategy):
@@ -60,9 +58,8 @@ class ADPSGD(Strategy):
         self.peers = RandomPeers(self.options, self.ctx)
         self.channel = self.comm.channel()
         self.lock = threading.Lock()  # guards the replica and `pending` between the two threads
-        self.pending = torch.zeros(
-            self.state.numel
-        )  # corrections answered by the listener, not yet folded in
+        # corrections from averagings the listener answered, folded into the replica before each step
+        self.pending = torch.zeros(self.state.numel)
         self.answered = self.started = 0
         self.listener = Listener(
             self.channel, self.peers.sources_ever, 2, self.state.numel, self._answer, REQUEST
@@ -101,9 +98,7 @@ class ADPSGD(Strategy):
         with self.lock:
             mine = self._current()
         theirs = torch.empty_like(mine)
-        reply = self.channel.irecv(
-            theirs, peer, tag=REPLY
-        )  # posted first, so the listener's reply never waits
+        reply = self.channel.irecv(theirs, peer, tag=REPLY)  # posted first: the peer's reply never waits
         send_message(self.channel, peer, [float(step)], mine, tag=REQUEST)
         reply.wait()
         with self.lock:

@@ -32,7 +32,7 @@ from torch import nn
 
 from fast.errors import CommError
 from fast.strategies.base import Strategy, StrategyOptions
-from fast.strategies.gossip import FlatState, Listener, send_done, send_message
+from fast.strategies.gossip import FlatState, Listener, post_message, send_done
 
 
 class AsyncBroadcastOptions(StrategyOptions):
@@ -100,8 +100,8 @@ class AsyncBroadcast(Strategy):
             update /= self.comm.size
             self.state.write(self.before + update)
         self.applied[self.comm.index()] += 1
-        for peer in self.others:
-            send_message(self.channel, peer, self.clock_at_read.tolist(), update)
+        for handle in post_message(self.channel, self.others, self.clock_at_read.tolist(), update):
+            handle.wait()
         self.sent += 1
 
     def end_of_run(self) -> None:

@@ -59,6 +59,8 @@ class Strategy:
     # True: after_backward leaves the same averaged gradient on every replica (bad workers excluded), so a
     # worker whose own gradient was not finite still steps, to stay identical to the others
     averages_gradients: ClassVar[bool] = False
+    # the `[codec]` names this strategy applies to what it sends (checked with the config); "none" = dense
+    codecs: ClassVar[tuple[str, ...]] = ("none",)
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options

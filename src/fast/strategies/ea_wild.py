@@ -107,6 +107,8 @@ class EAWild(Strategy):
         super().setup(model, optimizer)
         self._groups(model)
         self.leader = self.ctx.rank - self.ctx.rank % self.options.group_size
+        # a member whose gradient was not finite still steps with the group's average, to stay identical
+        self.averages_gradients = self.group is not None
         self.link = self.links.get(self.ctx.rank)
         self.received_center = False
         self.pending: list[Any] = []

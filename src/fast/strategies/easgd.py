@@ -28,7 +28,7 @@ import copy
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 from torch import nn
 
 from fast.config import Config
@@ -45,12 +45,6 @@ class EASGDOptions(StrategyOptions):
     tau: int = Field(4, ge=1, description="communication period: steps between two elastic exchanges")
     alpha: float | None = Field(None, gt=0, lt=1, description="moving rate α; default 0.9 / workers")
     rho: float | None = Field(None, gt=0, description="elasticity ρ; sets α = optimizer.lr * rho")
-
-    @model_validator(mode="after")
-    def _one_rate(self) -> EASGDOptions:
-        if self.alpha is not None and self.rho is not None:
-            raise ValueError("set either alpha or rho (alpha = lr * rho), not both")
-        return self
 
 
 def moving_rate(options: EASGDOptions, config: Config) -> float:
@@ -83,6 +77,10 @@ class EASGD(Strategy):
 
     @classmethod
     def check(cls, options: EASGDOptions, config: Config) -> None:
+        if options.alpha is not None and options.rho is not None:
+            raise ConfigError(
+                "`strategy.alpha` and `strategy.rho` are both set: set either alpha or rho (α = lr * rho)"
+            )
         alpha = moving_rate(options, config)
         if not 0 < alpha < 1:
             raise ConfigError(

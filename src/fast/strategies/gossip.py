@@ -94,7 +94,7 @@ def check_peer_options(options: PeerOptions, config: Config) -> None:
         if key in options.model_fields_set:
             raise ConfigError(
                 f"`strategy.{key}` and `strategy.schedule` are both set: the schedule chooses the peers of "
-                f"every round, so remove one of them"
+                "every round, so remove one of them"
             )
 
 
@@ -182,7 +182,7 @@ class Listener(threading.Thread):
         self.on_message, self.tag = on_message, tag
         self.waiting = set(senders)
         self.received = dict.fromkeys(senders, 0)
-        self.done_headers: dict[int, torch.Tensor] = {}  # also read by the training thread: who has finished
+        self.done_headers: dict[int, torch.Tensor] = {}
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -211,9 +211,21 @@ class Listener(threading.Thread):
         self.check()
 
 
+def post_message(
+    channel: Comm, peers: list[int], header: list[float], body: torch.Tensor, tag: int = 0
+) -> list[Handle]:
+    """Start sending one message to each of `peers`; wait on the handles before changing `body`."""
+    header_tensor = torch.tensor([MESSAGE, *header], dtype=torch.float64)
+    body = body.detach().to("cpu", torch.float32).contiguous()
+    handles = []
+    for peer in peers:
+        handles += [channel.isend(header_tensor, peer, tag=tag), channel.isend(body, peer, tag=tag + 1)]
+    return handles
+
+
 def send_message(channel: Comm, peer: int, header: list[float], body: torch.Tensor, tag: int = 0) -> None:
-    channel.send(torch.tensor([MESSAGE, *header], dtype=torch.float64), peer, tag=tag)
-    channel.send(body.detach().to("cpu", torch.float32).contiguous(), peer, tag=tag + 1)
+    for handle in post_message(channel, [peer], header, body, tag):
+        handle.wait()
 
 
 def send_done(channel: Comm, peers: list[int], header: list[float] | None = None, tag: int = 0) -> None:

@@ -8,16 +8,16 @@ queues what arrives, and before each step the worker merges it, as the paper's l
 
     x_j <- (alpha_j x_j + alpha_i x_i) / (alpha_j + alpha_i),    alpha_j <- alpha_j + alpha_i
 
-The weights always sum to one across workers once the pushes in flight are counted, and so does the
-weighted model sum_i alpha_i x_i, which is what gossip converges to: `final_model = "average"` reports that
-weighted average. At the end every worker tells each neighbour how many pushes it sent and waits for
-theirs, so nothing is left in flight; the summary lists the final weights (`push_sum_weights`). A worker
-that has finished is pushed to no more (it would collect weight and never pass it on).
+The exchanges conserve the sum of the weights (one, once the pushes in flight are counted) and the
+weighted sum of the replicas, sum_i alpha_i x_i, the consensus that the replicas approach (with lr = 0 they
+all converge to it). At the end every worker tells each neighbour how many pushes it sent and merges theirs
+until all neighbours have done so, so nothing is left in flight; the summary lists the final weights
+(`push_sum_weights`). The reported "average" model is the plain mean of the replicas: by then a large
+alpha mostly says that a worker finished early and kept receiving pushes, not that its replica is better.
 """
 
 from __future__ import annotations
 
-import copy
 import queue
 from typing import Any
 
@@ -41,9 +41,7 @@ from fast.strategies.gossip import (
 
 class PushSumOptions(PeerOptions):
     send_probability: float = Field(1.0, ge=0, le=1, description="probability of a push after each step (p)")
-    peers_per_round: int | None = Field(
-        1, ge=1, description="neighbours pushed to at once, each with a share"
-    )
+    peers_per_round: int = Field(1, ge=1, description="neighbours pushed to at once, each with a share")
 
 
 class PushSum(Strategy):
@@ -85,8 +83,7 @@ class PushSum(Strategy):
         self._merge_arrivals()
 
     def after_optimizer_step(self, step: int) -> None:
-        # a neighbour that has finished would only hoard weight it never passes on: push to the others
-        targets = [peer for peer in self.peers.targets(step) if peer not in self.listener.done_headers]
+        targets = self.peers.targets(step)
         if not targets:
             return
         self.alpha /= len(targets) + 1
@@ -110,16 +107,6 @@ class PushSum(Strategy):
             gathered = self.comm.all_gather(mine)
         self.weights = [float(w[0]) for w in gathered]
         self.pushes = int(sum(w[1] for w in gathered))
-
-    def average_model(self) -> nn.Module:
-        """The push-sum estimate sum_i alpha_i x_i (the alphas sum to one once nothing is in flight)."""
-        average = copy.deepcopy(self.model)
-        with self.comm.unmetered(), torch.no_grad():
-            for tensor in average.state_dict().values():
-                if tensor.is_floating_point():
-                    tensor.mul_(self.alpha)
-                    self.comm.all_reduce(tensor)
-        return average
 
     def state_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha}

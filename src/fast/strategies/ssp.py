@@ -13,13 +13,15 @@ gradients: the same update as `sync`. With s > 0 the replicas may differ for a w
 gradients at different steps), so the reported model is chosen by `final_model`. At the end every worker
 applies what is still pending, so every replica has applied every gradient exactly once.
 
-Gradients travel over a channel of their own with non-blocking sends and one posted receive per peer; it is
-driven from the training thread only (no background thread), since gloo moves the bytes by itself.
+Gradients travel over a channel of their own: the training thread sends them (non-blocking), and a listener
+thread receives from every peer as messages come, so that late gradients are folded in as soon as possible.
 Staleness of a peer gradient applied at step t that was computed at step τ: t − τ.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import torch
@@ -27,25 +29,77 @@ from pydantic import Field
 from torch import nn
 
 from fast.comm import Handle
-from fast.errors import CommError
+from fast.errors import CommError, CommTimeout
 from fast.strategies.base import Strategy, StrategyOptions
 from fast.strategies.local_sgd import flat_gradients, write_gradients
 
-END = -1.0  # the step field of the last message a worker sends a peer
+HEADER, BODY = 0, 1  # tags: a header holds the step (END closes the stream), the body the gradient
+END = -1
 
 
 class SSPOptions(StrategyOptions):
     staleness: int = Field(1, ge=0, description="bound s: a worker may run at most s steps ahead of the slowest")
 
 
-class Inbox:
-    """What one peer has sent: gradients received but not applied yet, and how far that peer has got."""
+class Inboxes:
+    """Peer gradients received but not applied yet; filled by the listener thread, emptied by the training one."""
 
-    def __init__(self) -> None:
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, gradient), in step order
-        self.through = -1  # every gradient of this peer's steps <= through has arrived
-        self.ended = False
-        self.receive: Handle | None = None
+    def __init__(self, peers: list[int], deadline_s: float) -> None:
+        self.changed = threading.Condition()
+        self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {p: [] for p in peers}  # in step order
+        self.through = dict.fromkeys(peers, -1)  # every gradient of a peer's steps <= through has arrived
+        self.ended: set[int] = set()
+        self.error: BaseException | None = None
+        self.deadline_s = deadline_s
+
+    def put(self, peer: int, step: int, gradient: torch.Tensor) -> None:
+        with self.changed:
+            if step != self.through[peer] + 1:
+                raise CommError(f"ssp: worker {peer} sent step {step} after step {self.through[peer]}")
+            self.pending[peer].append((step, gradient))
+            self.through[peer] = step
+            self.changed.notify_all()
+
+    def end(self, peer: int) -> None:
+        with self.changed:
+            self.ended.add(peer)
+            self.changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.changed:
+            self.error = error
+            self.changed.notify_all()
+
+    def wait_through(self, step: int) -> int:
+        """Block until every peer's gradients up to `step` are in; returns how many peers were waited for."""
+        deadline = time.monotonic() + self.deadline_s
+        with self.changed:
+            behind = [p for p, through in self.through.items() if through < step]
+            while True:
+                if self.error is not None:
+                    raise self.error
+                late = [p for p, through in self.through.items() if through < step]
+                if not late:
+                    return len(behind)
+                gone = [p for p in late if p in self.ended]
+                if gone:
+                    raise CommError(f"ssp: worker {gone[0]} ended its stream before step {step}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeout(
+                        f"ssp: waited {self.deadline_s:g}s for worker {late[0]}'s gradient of step {step}: "
+                        f"the peer is gone or stuck (raise run.deadline_s if it is only slow)"
+                    )
+                self.changed.wait(left)
+
+    def take(self, up_to: int) -> list[tuple[int, torch.Tensor]]:
+        """Remove and return every pending (step, gradient) of steps <= `up_to`."""
+        taken = []
+        with self.changed:
+            for pending in self.pending.values():
+                while pending and pending[0][0] <= up_to:
+                    taken.append(pending.pop(0))
+        return taken
 
 
 class StaleSynchronous(Strategy):
@@ -57,105 +111,92 @@ class StaleSynchronous(Strategy):
         super().setup(model, optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
+        self.peers = [r for r in self.comm.ranks if r != self.comm.rank]
         self.channel = self.comm.channel()
-        self.inboxes = {peer: Inbox() for peer in self.comm.ranks if peer != self.comm.rank}
+        self.inboxes = Inboxes(self.peers, self.channel.deadline_s)
         self.sends: list[tuple[Handle, torch.Tensor]] = []
         self.waits = 0
         self.last_step = -1
-        for peer in self.inboxes:
-            self._post_receive(peer)
+        self.listener = threading.Thread(target=self._listen, name="fast-ssp-listener", daemon=True)
+        self.listener.start()
 
     # -- the channel ---------------------------------------------------------------------------------------
-    def _post_receive(self, peer: int) -> None:
-        self.inboxes[peer].receive = self.channel.irecv(torch.empty(self.numel + 1), peer)
+    def _listen(self) -> None:
+        """The listener thread: receive headers and gradients from any peer until every peer has sent END."""
+        try:
+            while len(self.inboxes.ended) < len(self.peers):
+                header = torch.zeros(1, dtype=torch.int64)
+                peer = self.channel.recv_from(header, tag=HEADER)
+                step = int(header.item())
+                if step == END:
+                    self.inboxes.end(peer)
+                else:
+                    gradient = self.channel.recv(torch.empty(self.numel), peer, tag=BODY)
+                    self.inboxes.put(peer, step, gradient)
+        except BaseException as e:  # raised in the training thread by the next wait
+            self.inboxes.fail(e)
 
-    def _take(self, peer: int) -> None:
-        """Complete the posted receive from `peer` (waiting if needed), file the message, post the next."""
-        inbox = self.inboxes[peer]
-        if inbox.receive is None:
-            raise CommError(f"ssp: worker {peer} ended its stream after step {inbox.through}, earlier than this one")
-        message = inbox.receive.wait()
-        step = float(message[-1])
-        if step == END:
-            inbox.ended, inbox.receive = True, None
-            return
-        if int(step) != inbox.through + 1:
-            raise CommError(f"ssp: worker {peer} sent step {int(step)} after step {inbox.through} (stream broken)")
-        inbox.pending.append((int(step), message[:-1]))
-        inbox.through = int(step)
-        self._post_receive(peer)
+    def _send(self, step: int, gradient: torch.Tensor | None) -> None:
+        for handle, _ in self.sends:  # the previous step's messages: long received by the peers' listeners
+            handle.wait()
+        self.sends = []
+        header = torch.tensor([step], dtype=torch.int64)
+        for peer in self.peers:
+            self.sends.append((self.channel.isend(header, peer, tag=HEADER), header))
+            if gradient is not None:
+                self.sends.append((self.channel.isend(gradient, peer, tag=BODY), gradient))
 
-    def _collect(self) -> None:
-        """File every message that has already arrived, without waiting."""
-        for peer, inbox in self.inboxes.items():
-            while inbox.receive is not None and inbox.receive.is_completed():
-                self._take(peer)
-
-    def _wait_for(self, step: int) -> None:
-        """Block until every peer's gradients up to `step` have arrived (the staleness bound)."""
-        for peer, inbox in self.inboxes.items():
-            if inbox.through < step:
-                self.waits += 1
-            while inbox.through < step:
-                self._take(peer)
-
-    def _send(self, step: float, payload: torch.Tensor) -> None:
-        message = torch.cat([payload.cpu(), torch.tensor([step])])
-        for peer in self.inboxes:
-            self.sends.append((self.channel.isend(message, peer), message))
-        self.sends = [(h, m) for h, m in self.sends if not h.is_completed()]
-
-    def _fold(self, up_to: int, applied_at: int) -> torch.Tensor:
-        """The sum of pending peer gradients of steps <= `up_to`, removed from the inboxes."""
-        total = torch.zeros(self.numel)
-        for inbox in self.inboxes.values():
-            while inbox.pending and inbox.pending[0][0] <= up_to:
-                step, gradient = inbox.pending.pop(0)
-                total += gradient
-                self.staleness.append(applied_at - step)
-        return total
+    def _late_sum(self, up_to: int, applied_at: int) -> tuple[torch.Tensor, int]:
+        """The sum and count of pending peer gradients of steps <= `up_to`, recording each one's staleness."""
+        total, taken = torch.zeros(self.numel), self.inboxes.take(up_to)
+        for step, gradient in taken:
+            total += gradient
+            self.staleness.append(applied_at - step)
+        return total, len(taken)
 
     # -- the step --------------------------------------------------------------------------------------------
     def after_backward(self, step: int) -> None:
         own = flat_gradients(self.params)
-        self._send(float(step), own)
-        self._collect()
-        self._wait_for(step - self.options.staleness)
-        total = own + self._fold(up_to=step, applied_at=step).to(own.device)
-        write_gradients(self.params, total / self.comm.size)
+        self._send(step, own.detach().to("cpu", torch.float32).contiguous())
+        self.waits += self.inboxes.wait_through(step - self.options.staleness)
+        late, _ = self._late_sum(up_to=step, applied_at=step)
+        write_gradients(self.params, (own + late.to(own.device)) / self.comm.size)
         self.last_step = step
 
     def end_of_run(self) -> None:
-        """Apply every gradient still pending, then close each stream with an END message."""
-        self._wait_for(self.last_step)
-        if any(inbox.pending for inbox in self.inboxes.values()):
-            late = self._fold(up_to=self.last_step, applied_at=self.last_step + 1)
+        """Apply every gradient still pending, close the streams, and stop the listener."""
+        self.waits += self.inboxes.wait_through(self.last_step)
+        late, count = self._late_sum(up_to=self.last_step, applied_at=self.last_step + 1)
+        if count:  # one more optimizer step, with only the peers' late gradients in it
             self.optimizer.zero_grad(set_to_none=True)
             write_gradients(self.params, late.to(self.params[0].device) / self.comm.size)
             self.optimizer.step()
-        with self.channel.unmetered():  # control traffic: the payload is only the END mark
-            self._send(END, torch.zeros(self.numel))
-            for peer, inbox in self.inboxes.items():
-                while not inbox.ended:
-                    self._take(peer)
+        self._send(END, None)
         for handle, _ in self.sends:
             handle.wait()
         self.sends = []
+        self.listener.join(self.channel.deadline_s)
+        if self.inboxes.error is not None:
+            raise self.inboxes.error
+        if self.listener.is_alive():
+            raise CommTimeout(f"ssp: a peer did not close its stream within {self.channel.deadline_s:g}s")
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Late peer gradients of steps up to now (waited for), so a resumed run still applies them once."""
-        self._wait_for(self.last_step)
-        late = {
-            peer: [(s, g.clone()) for s, g in inbox.pending if s <= self.last_step]
-            for peer, inbox in self.inboxes.items()
-        }
+        """Late peer gradients of steps up to now (waited for), so that a resumed run applies them once."""
+        self.inboxes.wait_through(self.last_step)
+        with self.inboxes.changed:
+            late = {
+                peer: [(s, g.clone()) for s, g in pending if s <= self.last_step]
+                for peer, pending in self.inboxes.pending.items()
+            }
         return {"late": late, "through": self.last_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for peer, inbox in self.inboxes.items():
-            inbox.pending = list(state["late"].get(peer, []))
-            inbox.through = state["through"]
+        with self.inboxes.changed:
+            for peer in self.peers:
+                self.inboxes.pending[peer] = list(state["late"].get(peer, []))
+                self.inboxes.through[peer] = state["through"]
         self.last_step = state["through"]
 
     def summary(self) -> dict[str, Any]:
