@@ -23,7 +23,8 @@ N = 1000
 SITS_OUT = 2  # the rank that contributes nothing to the "topk" sum
 TOPK = {"ratio": 0.1, "error_feedback": True}
 POWERSGD_SHAPES = [(8, 6), (8,), (4, 5)]
-SPLIT = [600, 400]  # two tensors packed in one flat one
+SPLIT = [600, 400]  # two tensors packed in one flat one: a vector and a 5 x 80 matrix
+SPLIT_SHAPES = [(600,), (5, 80)]
 
 
 def _values(rank: int, numel: int = N) -> torch.Tensor:
@@ -59,10 +60,10 @@ def _exchanges(comm: Comm) -> dict[str, object]:
     count = torch.tensor([0.0 if rank == SITS_OUT else 1.0])
     topk = reduce("topk", _values(rank), TOPK, count=count)
     topk["count"] = float(count)
-    topk["residual"] = topk.pop("reducer").codec.residual("t")
+    topk["residual"] = topk.pop("reducer").codec.residual("t.0")  # the one tensor of key "t"
     out["topk"] = topk
-    out["ef-sign"] = reduce("ef-sign", _values(rank), background=True, shapes=[(SPLIT[0],), (5, SPLIT[1] // 5)])
-    out["qsgd"] = reduce("qsgd", _values(rank), shapes=[(n,) for n in SPLIT])
+    out["ef-sign"] = reduce("ef-sign", _values(rank), background=True, shapes=SPLIT_SHAPES)
+    out["qsgd"] = reduce("qsgd", _values(rank), shapes=SPLIT_SHAPES)
     out["powersgd"] = reduce("powersgd", _rank_one(rank), {"rank": 1}, shapes=POWERSGD_SHAPES)
     for result in out.values():
         result.pop("reducer", None)
@@ -85,7 +86,8 @@ def _decoded(name: str, rank: int, values: torch.Tensor, options: dict | None = 
     codec = worker_codec(name, options or {}, rank)
     if split is None:
         return codec.compress(values, "t")
-    return torch.cat([codec.compress(part, f"t.{i}") for i, part in enumerate(values.split(split))])
+    parts = zip(values.split(split), SPLIT_SHAPES, strict=True)
+    return torch.cat([codec.compress(part.view(shape), f"t.{i}").reshape(-1) for i, (part, shape) in enumerate(parts)])
 
 
 def test_compressed_sums_messages_and_their_exact_bytes():
@@ -95,8 +97,8 @@ def test_compressed_sums_messages_and_their_exact_bytes():
     out = run_distributed(_exchanges, workers)
     ring_share = 2 * (workers - 1) / workers
 
-    def frame(name: str, options: dict | None = None, numel: int = N) -> int:
-        return build_codec(name, **(options or {})).encoded_size((numel,))
+    def frame(name: str, options: dict | None = None, shape: tuple[int, ...] = (N,)) -> int:
+        return build_codec(name, **(options or {})).encoded_size(shape)
 
     for rank, got in out.items():
         fp16 = got["fp16"]
@@ -124,7 +126,7 @@ def test_compressed_sums_messages_and_their_exact_bytes():
             for r in range(workers):
                 expected += _decoded(name, r, _values(r), split=SPLIT)
             assert torch.equal(got[name]["sum"], expected), name
-            frames = sum(frame(name, numel=n) for n in SPLIT)  # a frame per tensor, in one payload
+            frames = sum(frame(name, shape=shape) for shape in SPLIT_SHAPES)  # a frame per tensor, in one payload
             assert got[name]["sent"] == (workers - 1) * (8 + frames), name
             assert got[name]["dense"] == (workers - 1) * 4 * (N + 1), name
 
@@ -147,14 +149,14 @@ def test_compressed_sums_messages_and_their_exact_bytes():
     torch.testing.assert_close(out[1]["p2p_received"], _decoded("topk", 0, _values(0), TOPK))
 
 
-def _buckets(bucket_mb: float) -> list[list[int]]:
-    """Element counts of the tensors in each of sync's gradient buckets for the digits MLP (the rule of
+def _buckets(bucket_mb: float) -> list[list[tuple[int, ...]]]:
+    """The shapes of the tensors in each of sync's gradient buckets for the digits MLP (the rule of
     Sync._make_buckets: in backward order, a bucket closes when it reaches bucket_mb)."""
     params = list(build_model("mlp", (1, 8, 8), 10).parameters())
     cap, buckets, current = bucket_mb * 2**20 / 4, [], []
     for p in reversed(params):
-        current.append(p.numel())
-        if sum(current) >= cap:
+        current.append(tuple(p.shape))
+        if sum(math.prod(shape) for shape in current) >= cap:
             buckets, current = buckets + [current], []
     return buckets + ([current] if current else [])
 
@@ -180,8 +182,8 @@ def test_compressed_sync_converges_and_counts_exact_bytes(tmp_path, codec, optio
     buckets = _buckets(bucket_mb)
     assert len(buckets) == 2
     codec_obj = build_codec(codec, **options)
-    per_step = sum((workers - 1) * (8 + sum(codec_obj.encoded_size((n,)) for n in bucket)) for bucket in buckets)
-    dense_per_step = sum((workers - 1) * 4 * (sum(bucket) + 1) for bucket in buckets)
+    per_step = sum((workers - 1) * (8 + sum(codec_obj.encoded_size(shape) for shape in bucket)) for bucket in buckets)
+    dense_per_step = sum((workers - 1) * 4 * (sum(math.prod(shape) for shape in bucket) + 1) for bucket in buckets)
     steps = summary["steps_per_worker"] * workers
     assert summary["bytes_sent"] == steps * per_step
     assert summary["bytes_sent_uncompressed"] == steps * dense_per_step

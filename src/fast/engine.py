@@ -53,7 +53,10 @@ def start(
     # under torch's elastic agent (torchrun, run.max_restarts) the agent hosts the store and keeps it across
     # restarts, so every attempt gets keys of its own; otherwise rank 0 hosts it
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent, timeout=timeout)
+    if os.environ.get("FAST_STORE_FILE"):  # local runs: a file, so nothing listens beyond gloo's loopback pairs
+        store = dist.FileStore(os.environ["FAST_STORE_FILE"], world_size)
+    else:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,

@@ -12,7 +12,9 @@ import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -69,6 +71,8 @@ def launch(
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
+    store_dir = tempfile.mkdtemp(prefix="fast-store-")
+    local = addr.startswith("127.") or addr == "localhost"
     procs = []
     for rank in range(nprocs):
         env = {
@@ -82,6 +86,7 @@ def launch(
             "GLOO_SOCKET_IFNAME": "lo"
             if addr.startswith("127.")
             else os.environ.get("GLOO_SOCKET_IFNAME", ""),
+            "FAST_STORE_FILE": os.path.join(store_dir, "store") if local else "",
             **(extra_env or {}),
         }
         env = {k: v for k, v in env.items() if v}
@@ -112,6 +117,7 @@ def launch(
         interrupted = True
     finally:
         _stop(procs)
+        shutil.rmtree(store_dir, ignore_errors=True)
     outputs.update(_drain(results))
     if interrupted:
         raise WorkerFailed("interrupted (Ctrl-C): every worker was stopped")

@@ -1,4 +1,4 @@
-"""Codec-aware operations on a `Comm`: sums, point-to-point messages and neighbour exchanges of encoded tensors.
+"""Codec-aware operations on a `Comm`: sums, messages and neighbour exchanges of encoded tensors; CHOCO gossip.
 
 How a compressed sum travels depends on the codec (`fast.codecs`):
 
@@ -186,12 +186,10 @@ class CompressedAllReduce:
         (qsgd) are per tensor; a worker's frames travel as one payload.
         """
         flat = tensor.reshape(-1)
-        shapes, sizes = _parts(tensor, shapes)
+        shapes, _ = _parts(tensor, shapes)
         payload, mine = torch.empty(0, dtype=torch.uint8), None
         if contributes:
-            encoded = [self.codec.encode_and_decode(part, f"{key}.{i}") for i, part in enumerate(flat.split(sizes))]
-            payload = torch.cat([frame for frame, _ in encoded])
-            mine = torch.cat([sent.reshape(-1) for _, sent in encoded])
+            payload, mine = encode_parts(self.codec, flat, key, shapes)
         with self.comm.counter.dense_equivalent(dense_all_gather_bytes(self.comm, flat.numel() + 1)):
             payloads = self.comm.all_gather_bytes(payload.to(self.comm.device))
         total = torch.zeros_like(flat)
@@ -202,8 +200,7 @@ class CompressedAllReduce:
             if index == self.comm.index():
                 total += mine
             else:
-                frames = split_frames(theirs.cpu(), len(shapes))
-                total += torch.cat([self.codec.decode(frame).reshape(-1) for frame in frames]).to(flat.device)
+                total += decode_parts(self.codec, theirs, len(shapes)).to(flat.device)
             contributors += 1
         tensor.copy_(total.view_as(tensor))
         return _counted(contributors, count)
@@ -329,22 +326,99 @@ def exchange_compressed(
     send_to: Sequence[int],
     receive_from: Sequence[int],
     *,
+    shapes: Sequence[Sequence[int]] | None = None,
     tag: int = 0,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """One neighbour exchange: encode `tensor` once, send its frame to every rank in `send_to` and receive
-    one from every rank in `receive_from`, all at once (no ordering to deadlock on).
+    """One neighbour exchange: encode `tensor` once (each tensor of `shapes` in a frame of its own), send the
+    frames to every rank in `send_to` and receive a worker's frames from every rank in `receive_from`, all
+    at once (no order to deadlock on).
 
-    Frames go without a length prefix: the codec must have a fixed frame size for the tensor's shape (not
-    `threshold`). Returns what the receivers decode of this worker's tensor and {rank: decoded tensor}.
+    Frames go without a length prefix: the codec must have a fixed frame size for a shape (not `threshold`).
+    Returns what the receivers decode of this worker's tensor and {rank: decoded tensor}.
     """
-    shape = tuple(tensor.shape)
-    size = codec.encoded_size(shape, tensor.dtype)
-    frame, sent = codec.encode_and_decode(tensor, key)
-    frame = frame.to(comm.device)
+    flat = tensor.reshape(-1)
+    shapes, _ = _parts(tensor, shapes)
+    size = sum(codec.encoded_size(shape, tensor.dtype) for shape in shapes)
+    payload, sent = encode_parts(codec, flat, key, shapes)
+    payload = payload.to(comm.device)
     inbox = {peer: torch.empty(size, dtype=torch.uint8, device=comm.device) for peer in receive_from}
     handles = [comm.irecv(buffer, peer, tag) for peer, buffer in inbox.items()]
     with comm.counter.dense_equivalent(FP32_BYTES * tensor.numel() * len(send_to)):
-        handles += [comm.isend(frame, peer, tag) for peer in send_to]
+        handles += [comm.isend(payload, peer, tag) for peer in send_to]
     for handle in handles:
         handle.wait()
-    return sent, {peer: codec.decode(buffer).to(tensor.device) for peer, buffer in inbox.items()}
+    received = {peer: decode_parts(codec, buffer, len(shapes)).view_as(tensor) for peer, buffer in inbox.items()}
+    return sent.view_as(tensor), {peer: theirs.to(tensor.device) for peer, theirs in received.items()}
+
+
+def encode_parts(
+    codec: Codec, flat: torch.Tensor, key: str, shapes: Sequence[tuple[int, ...]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frames of the tensors of `shapes` packed in `flat` (key `key.i` for the i-th), end to end, and
+    what a receiver decodes of them, flat."""
+    sizes = [math.prod(shape) for shape in shapes]
+    encoded = [
+        codec.encode_and_decode(part.view(shape), f"{key}.{i}")
+        for i, (part, shape) in enumerate(zip(flat.split(sizes), shapes, strict=True))
+    ]
+    return torch.cat([frame for frame, _ in encoded]), torch.cat([sent.reshape(-1) for _, sent in encoded])
+
+
+def decode_parts(codec: Codec, payload: torch.Tensor, count: int) -> torch.Tensor:
+    """The flat tensor that `count` frames laid end to end in `payload` decode to."""
+    frames = split_frames(payload.cpu(), count)
+    return torch.cat([codec.decode(frame).reshape(-1) for frame in frames])
+
+
+# -- compressed gossip ------------------------------------------------------------------------------------
+class ChocoGossip:
+    """CHOCO-SGD's compressed gossip (Koloskova, Stich and Jaggi 2019, Algorithm 2), for one worker i.
+
+    Every worker keeps a public estimate x̂_j of each neighbour's model, known alike to j and to all of j's
+    neighbours because it only ever moves by what j sent. Each round, after the local SGD step:
+
+        q_i = Q(x_i - x̂_i)                              send q_i to the neighbours, receive their q_j
+        x̂_j += q_j  for j in N(i) and i itself
+        x_i += γ Σ_j w_ij (x̂_j - x̂_i)                   γ: the consensus step size
+
+    Naively compressed weights do not converge; compressed differences to the estimates do, for codecs
+    with E‖Q(v) − v‖² < ‖v‖² (top-k, random-k, sign, low rank, casts). As in the paper's memory-efficient
+    form, only x̂_i and s_i = Σ_j w_ij x̂_j (j in N(i) and i) are kept, so W must stay fixed. The estimates
+    start at the initial model, which every worker has, instead of at zero.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        codec: Codec,
+        weights: dict[int, float],
+        self_weight: float,
+        consensus_lr: float,
+        initial: torch.Tensor,
+        shapes: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.comm, self.codec = comm, codec
+        self.weights, self.self_weight, self.consensus_lr = weights, self_weight, consensus_lr
+        self.shapes = shapes
+        self.estimate = initial.detach().clone()  # x̂_i
+        self.mixed = initial.detach().clone()  # s_i (rows of W sum to 1)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """One round from x_i (after the SGD step): the exchange, then the consensus step; returns the new x_i."""
+        peers = list(self.weights)
+        mine, theirs = exchange_compressed(
+            self.comm, x - self.estimate, self.codec, "choco", peers, peers, shapes=self.shapes
+        )
+        self.estimate += mine
+        self.mixed.add_(mine, alpha=self.self_weight)
+        for peer, q in theirs.items():
+            self.mixed.add_(q, alpha=self.weights[peer])
+        return x + self.consensus_lr * (self.mixed - self.estimate)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"estimate": self.estimate.clone(), "mixed": self.mixed.clone(), "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.estimate.copy_(state["estimate"])
+        self.mixed.copy_(state["mixed"])
+        self.codec.load_state_dict(state["codec"])

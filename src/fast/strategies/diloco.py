@@ -8,6 +8,8 @@ updates θ; every replica starts the next round from the new θ. So the run's `[
 the inner optimizer only, and the outer optimizer's state (its momentum) is part of this strategy's state.
 Floating-point buffers (BatchNorm statistics) are not parameters: they are simply averaged each round.
 The reported model is θ; a last round at the end of the run folds in any steps after the last full round.
+With a `[codec]`, the pseudo-gradients are averaged through it (with its error feedback, per worker:
+`fast.comm.compressed`); every worker decodes the same mean, so θ stays the same everywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from fast.codecs import CODECS
+from fast.comm.compressed import CompressedAllReduce, worker_codec
 from fast.strategies.base import Strategy, StrategyOptions
 from fast.strategies.local_sgd import FlatState
 
@@ -33,6 +37,7 @@ class DiLoCoOptions(StrategyOptions):
 class DiLoCo(Strategy):
     name = "diloco"
     Options = DiLoCoOptions
+    codecs = tuple(name for name in CODECS if name != "dgc")  # DGC's momentum correction is for gradients
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
@@ -49,6 +54,10 @@ class DiLoCo(Strategy):
         self.rounds = 0
         self.last_step = -1
         self.last_round_step = -1
+        codec = self.ctx.config.codec
+        self.compressed: CompressedAllReduce | None = None
+        if codec.name != "none":
+            self.compressed = CompressedAllReduce(self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank))
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
@@ -59,7 +68,11 @@ class DiLoCo(Strategy):
     def outer_step(self) -> None:
         """Average the pseudo-gradients, step the outer optimizer, and restart every replica from θ."""
         pseudo_gradient = self.theta - self.params.read()
-        self.comm.all_reduce(pseudo_gradient, op="mean")
+        if self.compressed is not None:
+            shapes = [t.shape for t in self.params.tensors]
+            self.compressed.average(pseudo_gradient, "pseudo_gradient", shapes=shapes)
+        else:
+            self.comm.all_reduce(pseudo_gradient, op="mean")
         self.theta.grad = pseudo_gradient
         self.outer.step()
         self.theta.grad = None
@@ -84,11 +97,16 @@ class DiLoCo(Strategy):
         return model
 
     def state_dict(self) -> dict[str, Any]:
-        return {"theta": self.theta.clone(), "outer": self.outer.state_dict()}
+        state = {"theta": self.theta.clone(), "outer": self.outer.state_dict()}
+        if self.compressed is not None:
+            state["codec"] = self.compressed.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.theta.copy_(state["theta"])
         self.outer.load_state_dict(state["outer"])
+        if self.compressed is not None and "codec" in state:
+            self.compressed.load_state_dict(state["codec"])
 
     def summary(self) -> dict[str, Any]:
         reported = "theta" if self.options.final_model == "average" else self.options.final_model

@@ -4,14 +4,22 @@ Optionally the run starts with `warmup_steps` synchronous steps that average gra
 replicas stay identical through them). Each worker keeps its own optimizer state (momentum, Adam moments)
 across averaging rounds; only the weights and floating-point buffers are averaged. The last averaging comes
 at the end of the run, so every replica ends with the same weights.
+
+With a `[codec]`, the averaging sends each replica's difference from the last average through the codec
+(with its error feedback; `fast.comm.compressed`), and every replica becomes that average plus the mean
+decoded difference; warm-up gradients go through the codec too.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from pydantic import Field
 from torch import nn
 
+from fast.codecs import CODECS
+from fast.comm.compressed import CompressedAllReduce, worker_codec
 from fast.strategies.base import Strategy, StrategyOptions
 
 
@@ -65,11 +73,17 @@ class LocalSGDOptions(StrategyOptions):
 class LocalSGD(Strategy):
     name = "local-sgd"
     Options = LocalSGDOptions
+    codecs = tuple(name for name in CODECS if name != "dgc")  # DGC's momentum correction is for gradients
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_model(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        codec = self.ctx.config.codec
+        self.compressed: CompressedAllReduce | None = None
+        if codec.name != "none":
+            self.compressed = CompressedAllReduce(self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank))
+            self.anchor = self.state.read().clone()  # the last average, the same on every worker
         self.averagings = 0
         self.last_step = -1
         self.last_averaged = -1
@@ -77,7 +91,10 @@ class LocalSGD(Strategy):
     def after_backward(self, step: int) -> None:
         if step < self.options.warmup_steps:
             grads = flat_gradients(self.params)
-            self.comm.all_reduce(grads, op="mean")
+            if self.compressed is not None:
+                self.compressed.average(grads, "gradients", shapes=[p.shape for p in self.params])
+            else:
+                self.comm.all_reduce(grads, op="mean")
             write_gradients(self.params, grads)
 
     def after_optimizer_step(self, step: int) -> None:
@@ -88,9 +105,15 @@ class LocalSGD(Strategy):
 
     def average(self) -> None:
         """Replace every replica by the mean of all replicas."""
-        weights = self.state.read()
-        self.comm.all_reduce(weights, op="mean")
-        self.state.write(weights)
+        if self.compressed is not None:
+            difference = self.state.read() - self.anchor
+            self.compressed.average(difference, "difference", shapes=[t.shape for t in self.state.tensors])
+            self.anchor += difference
+            self.state.write(self.anchor)
+        else:
+            weights = self.state.read()
+            self.comm.all_reduce(weights, op="mean")
+            self.state.write(weights)
         self.averagings += 1
         self.last_averaged = self.last_step
 
@@ -98,6 +121,16 @@ class LocalSGD(Strategy):
         in_warmup = self.last_step < self.options.warmup_steps  # gradients were averaged: replicas agree
         if not in_warmup and self.last_averaged != self.last_step:
             self.average()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.compressed is None:
+            return {}
+        return {"anchor": self.anchor.clone(), "codec": self.compressed.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.compressed is not None and "codec" in state:
+            self.anchor.copy_(state["anchor"])
+            self.compressed.load_state_dict(state["codec"])
 
     def summary(self) -> dict[str, int]:
         return {"averagings": self.averagings}
