@@ -120,8 +120,11 @@ def samples_per_s(side: str, model_name: str, data_name: str, workers: int, step
 
 def bench(models: list[str], workers_list: list[int], rounds: int, steps: int, out: Path) -> list[dict]:
     data_name = dataset_name()
-    print(f"data {data_name}, batch {BATCH} per worker, {steps} steps, {rounds} rounds, {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"data {data_name}, batch {BATCH} per worker, {steps} steps, {rounds} rounds, {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     rows = []
     for model_name in models:
         for workers in workers_list:
@@ -130,18 +133,22 @@ def bench(models: list[str], workers_list: list[int], rounds: int, steps: int, o
                 order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
                 for side in order:
                     runs[side].append(samples_per_s(side, model_name, data_name, workers, steps, out))
-                print(f"  {model_name} x{workers} round {r + 1}: "
-                      + ", ".join(f"{s} {runs[s][-1]:.0f}" for s in SIDES), flush=True)
+                print(
+                    f"  {model_name} x{workers} round {r + 1}: " + ", ".join(f"{s} {runs[s][-1]:.0f}" for s in SIDES),
+                    flush=True,
+                )
             median = {side: statistics.median(v) for side, v in runs.items()}
-            rows.append({
-                "model": model_name,
-                "workers": workers,
-                "samples_per_s": runs,
-                "median": median,
-                "sync_vs_ddp": median["sync"] / median["ddp"],
-                "sync_vs_none": median["sync"] / median["none"],
-                "load_average": os.getloadavg()[0],
-            })
+            rows.append(
+                {
+                    "model": model_name,
+                    "workers": workers,
+                    "samples_per_s": runs,
+                    "median": median,
+                    "sync_vs_ddp": median["sync"] / median["ddp"],
+                    "sync_vs_none": median["sync"] / median["none"],
+                    "load_average": os.getloadavg()[0],
+                }
+            )
     return rows
 
 
@@ -152,12 +159,16 @@ def print_table(rows: list[dict]) -> bool:
         m = row["median"]
         ok = row["sync_vs_ddp"] >= TARGET_VS_DDP and row["sync_vs_none"] >= TARGET_VS_NONE
         met &= ok
-        print(f"{row['model']:6} {row['workers']:>7} {m['sync']:>9.0f} {m['ddp']:>9.0f} {m['none']:>9.0f} "
-              f"{row['sync_vs_ddp']:>9.3f} {row['sync_vs_none']:>10.3f}{'' if ok else '  below target'}")
+        print(
+            f"{row['model']:6} {row['workers']:>7} {m['sync']:>9.0f} {m['ddp']:>9.0f} {m['none']:>9.0f} "
+            f"{row['sync_vs_ddp']:>9.3f} {row['sync_vs_none']:>10.3f}{'' if ok else '  below target'}"
+        )
     verdict = "met" if met else "NOT met"
-    print(f"targets (sync/ddp >= {TARGET_VS_DDP}, sync/none >= {TARGET_VS_NONE}) {verdict} "
-          f"in {sum(1 for r in rows if r['sync_vs_ddp'] >= TARGET_VS_DDP and r['sync_vs_none'] >= TARGET_VS_NONE)}"
-          f" of {len(rows)} configurations (ratios of medians over rounds)")
+    print(
+        f"targets (sync/ddp >= {TARGET_VS_DDP}, sync/none >= {TARGET_VS_NONE}) {verdict} "
+        f"in {sum(1 for r in rows if r['sync_vs_ddp'] >= TARGET_VS_DDP and r['sync_vs_none'] >= TARGET_VS_NONE)}"
+        f" of {len(rows)} configurations (ratios of medians over rounds)"
+    )
     return met
 
 

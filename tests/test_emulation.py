@@ -211,11 +211,14 @@ def test_losses_repeat_for_the_same_seed_and_jitter_stays_within_bounds():
     assert all(0.005 <= d <= 0.016 for d in delays) and max(delays) - min(delays) > 0.002
 
 
-def test_a_message_on_a_busy_nic_waits_for_the_one_before():
+def test_a_message_on_a_busy_nic_waits_for_the_one_before_both_out_and_in():
     network = Network(LinkTable(3, EmulatedLink(0.0, 1000.0)), 0, 0)
     first = network.transmit(1, 500, (1, 0, 1), droppable=False)
     second = network.transmit(2, 500, (1, 0, 1), droppable=False)
     assert second.sent_at == pytest.approx(first.sent_at + 0.5, abs=1e-6)
+    assert network.arrival(1, 500, 100.0) == 100.0  # from ranks 1 and 2 at once: taken in one by one
+    assert network.arrival(2, 500, 100.0) == pytest.approx(100.5)
+    assert network.arrival(1, 500, 200.0) == 200.0  # the NIC was idle again
 
 
 def test_deployment_tables_resolve_sites_wan_and_overrides():

@@ -23,7 +23,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +178,7 @@ def _links_between_workers(config: Config) -> tuple[Link, Link | None]:
     if not config.network.sites:
         return slowest(pairs), None
     site_of = {rank: site for site, ranks in config.network.sites.items() for rank in ranks}
-    inside = [(a, b) for a, b in pairs if site_of.get(a, a) == site_of.get(b, b)]
+    inside = [(a, b) for a, b in pairs if not (a in site_of and b in site_of and site_of[a] != site_of[b])]
     return slowest(pairs), (slowest(inside) if inside else None)
 
 
@@ -250,11 +250,19 @@ def predict(
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ratio = compute_communication_ratio(model, dataset.input_shape)
     base = Prediction(
-        name or run.name, config.strategy.name, None, steps, run.workers, nbytes, link, config.model.name,
-        parameters, ratio,
-    )  # fmt: skip
+        name=name or run.name,
+        strategy=config.strategy.name,
+        cost=None,
+        steps_per_epoch=steps,
+        workers=run.workers,
+        message_bytes=nbytes,
+        link=link,
+        model=config.model.name,
+        parameters=parameters,
+        cc_ratio=ratio,
+    )
     if config.strategy.name not in COST_OPTIONS:
-        return _with(base, problem=f"no cost model for strategy {config.strategy.name!r}")
+        return replace(base, problem=f"no cost model for strategy {config.strategy.name!r}")
     if compute_s is None:
         compute_s = measure_compute_s(config, dataset, model)
     try:
@@ -267,12 +275,8 @@ def predict(
             **cost_options(config, inner_link),
         )
     except ConfigError as e:
-        return _with(base, problem=str(e))
-    return _with(base, cost=cost)
-
-
-def _with(prediction: Prediction, **changes: Any) -> Prediction:
-    return Prediction(**{**prediction.__dict__, **changes})
+        return replace(base, problem=str(e))
+    return replace(base, cost=cost)
 
 
 def predicted_step_time(

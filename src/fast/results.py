@@ -107,7 +107,8 @@ def summarize(worker: Worker, everyone: list[dict[str, Any]]) -> dict[str, Any]:
     final = evals[-1] if evals else {}
     wall = max(p["time_s"] for p in trainers)
     computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
-    compute_s = sum(computes) / len(computes) if computes else None  # a step minus its comm waits
+    # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
+    compute_s = max(computes) if computes else None
     samples = sum(p["steps"] for p in trainers) * run.batch_size
     sent = sum(p["counter"]["bytes_sent"] for p in everyone)
     uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)

@@ -30,7 +30,7 @@ import torch
 from fast.codecs import Codec, ErrorFeedback, PowerSGD, build_codec
 from fast.codecs.frame import CHECKSUM_BYTES, header_size
 from fast.codecs.powersgd import matrix_shape
-from fast.comm.comm import Comm
+from fast.comm.comm import Comm, Handle
 from fast.errors import FrameError
 
 FP32_BYTES = 4
@@ -316,6 +316,22 @@ def recv_compressed(comm: Comm, codec: Codec, src: int | None = None, *, tag: in
     """Receive a frame sent by `send_compressed` (from `src`, or whoever comes first): (sender, decoded tensor)."""
     peer, frame = comm.recv_bytes(src, tag)
     return peer, codec.decode(frame)
+
+
+def isend_encoded(
+    comm: Comm, tensor: torch.Tensor, dst: int, codec: Codec, key: str = "", *, tag: int = 0, droppable: bool = False
+) -> Handle:
+    """Encode `tensor` and start sending its frame to `dst` with no length prefix: the receiver knows the
+    size from the shape (`recv_encoded`), so the codec must have a fixed frame size (not `threshold`)."""
+    frame = codec.encode(tensor, key).to(comm.device)
+    with comm.counter.dense_equivalent(FP32_BYTES * tensor.numel()):
+        return comm.isend(frame, dst, tag, droppable)
+
+
+def recv_encoded(comm: Comm, codec: Codec, shape: Sequence[int], src: int, *, tag: int = 0) -> torch.Tensor:
+    """Receive from `src` the frame of a tensor of `shape` sent by `isend_encoded`, decoded."""
+    frame = torch.empty(codec.encoded_size(tuple(shape)), dtype=torch.uint8, device=comm.device)
+    return codec.decode(comm.recv(frame, src, tag))
 
 
 def exchange_compressed(

@@ -2,10 +2,12 @@
 
 `EmulatedComm` is a `Comm` whose messages travel on emulated links (`LinkTable`). A rank has one NIC: its
 outgoing messages go on the wire one after another, each taking bytes / bandwidth of its own link (the
-message's real payload), and arrive one latency (± jitter) after their last byte left. Receiving is not
-limited, as in the α-β model of `fast.perfmodel`. All processes share one machine, so `time.time()` is a
-common clock: the sender stamps each message with the time it becomes deliverable, and the receiver
-sleeps until then. The sender's handle completes when the NIC has finished sending.
+message's real payload), and arrive one latency (± jitter) after their last byte left. The NIC takes
+messages in one at a time too: one that arrives while another is still coming in waits for it (a server
+that N workers push to receives N messages one after another). Sending and receiving do not interfere
+(full duplex). All processes share one machine, so `time.time()` is a common clock: the sender stamps
+each message with the time it becomes deliverable, and the receiver sleeps until then (and until its NIC
+has taken the message in). The sender's handle completes when the NIC has finished sending.
 
 Under emulation the collectives are rounds of point-to-point messages, so each message pays its own link:
 all-reduce is a ring (reduce-scatter, then all-gather, of N chunks), all-gather a ring, broadcast a
@@ -31,7 +33,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,8 +45,9 @@ from fast.comm.waiting import waiting
 from fast.errors import CommError
 
 COLLECTIVE_TAG = 0x3F000000  # the tag of emulated collectives' rounds; strategies use small tags
-HEADER_BYTES = 32  # deliverable-at time, lost flag, payload length, padding (keeps payload views aligned)
+HEADER_BYTES = 32  # deliverable-at time, flags, payload length, padding (keeps payload views aligned)
 _HEADER = struct.Struct("<dqq8x")
+_LOST, _MEASUREMENT = 1, 2  # header flags
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,17 @@ class Transmission:
     sent_at: float
     deliver_at: float
     lost: bool = False
+    measurement: bool = False  # unmetered traffic: not on the emulated links
+
+
+class Stamp(NamedTuple):
+    """What a message's header says: when it is deliverable, whether it was lost, the payload length,
+    and whether it is measurement traffic."""
+
+    deliver_at: float
+    lost: bool
+    length: int
+    measurement: bool
 
 
 class Network:
@@ -69,6 +83,7 @@ class Network:
         self.origin = time.time()
         self._lock = threading.Lock()
         self._nic_free_at = 0.0
+        self._ingress_free_at = 0.0
         self._last_delivery: dict[int, float] = defaultdict(float)
         self._streams = 0
         self.messages = 0
@@ -115,6 +130,15 @@ class Network:
                 self._last_delivery[dst] = deliver_at
         return Transmission(sent_at, deliver_at, lost)
 
+    def arrival(self, src: int, nbytes: int, deliver_at: float) -> float:
+        """When a message from `src` is fully in: its bytes come in during the transfer time before
+        `deliver_at`, or after the message before it if the NIC is still taking that one in."""
+        transfer_s = self.links.link(src, self.rank).transfer_s(nbytes)
+        with self._lock:
+            arrived = max(deliver_at, self._ingress_free_at + transfer_s)
+            self._ingress_free_at = arrived
+        return arrived
+
     def record(self) -> dict[str, Any]:
         with self._lock:
             return {
@@ -138,12 +162,13 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _header(tx: Transmission, length: int = 0) -> torch.Tensor:
-    return torch.frombuffer(bytearray(_HEADER.pack(tx.deliver_at, int(tx.lost), length)), dtype=torch.uint8)
+    flags = (_LOST if tx.lost else 0) | (_MEASUREMENT if tx.measurement else 0)
+    return torch.frombuffer(bytearray(_HEADER.pack(tx.deliver_at, flags, length)), dtype=torch.uint8)
 
 
-def _read_header(wire: torch.Tensor) -> tuple[float, bool, int]:
-    deliver_at, lost, length = _HEADER.unpack(wire[:HEADER_BYTES].numpy().tobytes())
-    return deliver_at, bool(lost), length
+def _read_header(wire: torch.Tensor) -> Stamp:
+    deliver_at, flags, length = _HEADER.unpack(wire[:HEADER_BYTES].numpy().tobytes())
+    return Stamp(deliver_at, bool(flags & _LOST), length, bool(flags & _MEASUREMENT))
 
 
 class TimedHandle(Handle):
@@ -241,7 +266,7 @@ class EmulatedComm(Comm):
     def _transmit(self, dst: int, nbytes: int, tag: int, droppable: bool) -> Transmission:
         if not self.counter.metered:  # measurement traffic is not part of the deployment
             now = time.time()
-            return Transmission(now, now)
+            return Transmission(now, now, measurement=True)
         with self._sequence_lock:
             self._sequence[(dst, tag)] += 1
             number = self._sequence[(dst, tag)]
@@ -267,17 +292,27 @@ class EmulatedComm(Comm):
         def peer() -> int:
             return src if src is not None else work.source_rank()
 
+        ready: list[float] = []
+
+        def ready_at() -> float:  # once the real transfer is done; the NIC takes the message in once
+            if not ready:
+                ready.append(self._arrival(peer(), nbytes, _read_header(wire)))
+            return ready[0]
+
         def arrived() -> torch.Tensor:
-            _, lost, _ = _read_header(wire)
-            if lost:
+            if _read_header(wire).lost:
                 raise MessageLost(f"a droppable message from worker {peer()} (tag {tag}) was lost on its link")
             tensor.copy_(wire[HEADER_BYTES:].view(tensor.dtype).view(tensor.shape))
             self.counter.add_received(peer(), nbytes)
             return tensor
 
         name = f"worker {src}" if src is not None else "any worker"
-        handle = TimedHandle(work, "recv", name, self.deadline_s, lambda: _read_header(wire)[0], tensor, arrived)
-        return handle, peer
+        return TimedHandle(work, "recv", name, self.deadline_s, ready_at, tensor, arrived), peer
+
+    def _arrival(self, src: int, nbytes: int, stamp: Stamp) -> float:
+        if stamp.lost or stamp.measurement:
+            return stamp.deliver_at
+        return self.network.arrival(src, nbytes, stamp.deliver_at)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
         self.isend(tensor, dst, tag, droppable).wait()
@@ -304,14 +339,15 @@ class EmulatedComm(Comm):
         work = dist.irecv(header, src=src, group=self.group, tag=tag)
         Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s).wait()
         peer = src if src is not None else work.source_rank()
-        deliver_at, lost, n = _read_header(header)
+        stamp = _read_header(header)
+        lost, n = stamp.lost, stamp.length
         if n < 0 or n > (1 << 34):
             raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
         payload = torch.empty(n, dtype=torch.uint8)
         if n and not lost:
             Handle(dist.irecv(payload, src=peer, group=self.group, tag=tag), "recv", f"worker {peer}",
                    self.deadline_s).wait()  # fmt: skip
-        sleep_until(deliver_at)
+        sleep_until(self._arrival(peer, 8 + n, stamp))
         if lost:
             raise MessageLost(f"a droppable message from worker {peer} (tag {tag}) was lost on its link")
         self.counter.add_received(peer, 8 + n)

@@ -19,6 +19,9 @@ the worker last pulled as the backup (the worker's local steps and accumulated p
 
 At the end each worker pushes what it has accumulated and says "done"; when every worker is done the servers
 send all of them the final weights, so every replica reports the servers' model.
+
+With a `[codec]`, each pushed slice travels encoded (with the worker's error feedback per slice:
+`fast.comm.compressed`); pulled weights stay dense, since compressing weights themselves loses too much.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from fast.codecs import CODECS
+from fast.comm import Handle
+from fast.comm.compressed import isend_encoded, recv_encoded, worker_codec
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
@@ -87,6 +93,8 @@ class AsyncPS(Strategy):
     Options = AsyncPSOptions
     decentralised = False  # at the end every replica holds the servers' weights
     collective_eval = False
+    # slices of the flat gradient, in frames of a size the server knows in advance: no low rank, no threshold
+    codecs = tuple(name for name in CODECS if name not in ("powersgd", "threshold", "dgc"))
 
     @classmethod
     def server_count(cls, options: AsyncPSOptions, workers: int) -> int:
@@ -110,6 +118,8 @@ class AsyncPS(Strategy):
         self.numel = sum(p.numel() for p in model.parameters())
         self.servers = list(range(self.ctx.workers, self.ctx.workers + self.options.servers))
         self.bounds = shard_bounds(self.numel, self.options.servers)
+        codec = self.ctx.config.codec
+        self.codec = worker_codec(codec.name, codec.options(), self.ctx.rank) if codec.name != "none" else None
 
     # -- worker side ------------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -150,7 +160,7 @@ class AsyncPS(Strategy):
         for server, (start, end) in zip(self.servers, self.bounds, strict=True):
             pending.append(self.world.isend(header, server, tag=HEADER_TAG))
             if kind == PUSH:
-                pending.append(self.world.isend(self.accumulated[start:end], server, tag=PAYLOAD_TAG))
+                pending.append(self._push(self.accumulated[start:end], server))
             if pull:
                 pending.append(self.world.irecv(self.pulled[start:end], server, tag=PAYLOAD_TAG))
         for handle in pending:
@@ -160,6 +170,11 @@ class AsyncPS(Strategy):
             self.steps_since_push = 0
         if pull:
             load_flat(self.model, self.pulled)
+
+    def _push(self, gradient: torch.Tensor, server: int) -> Handle:
+        if self.codec is None:
+            return self.world.isend(gradient, server, tag=PAYLOAD_TAG)
+        return isend_encoded(self.world, gradient, server, self.codec, f"server{server}", tag=PAYLOAD_TAG)
 
     def end_of_run(self) -> None:
         if self.steps_since_push:
@@ -210,7 +225,10 @@ class AsyncPS(Strategy):
                 done.add(worker)
                 continue
             if kind == PUSH:
-                self.world.recv(gradient, worker, tag=PAYLOAD_TAG)
+                if self.codec is None:
+                    self.world.recv(gradient, worker, tag=PAYLOAD_TAG)
+                else:
+                    gradient = recv_encoded(self.world, self.codec, gradient.shape, worker, tag=PAYLOAD_TAG)
                 self.apply(worker, gradient)
             if pull:
                 self.world.send(self.shard.detach(), worker, tag=PAYLOAD_TAG)

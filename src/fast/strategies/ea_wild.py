@@ -100,7 +100,7 @@ class EAWild(Strategy):
             link = self.world.subgroups([[leader, self.master]])
             if link is not None:
                 self.links[leader] = link
-        self.center = flatten(model).clone()
+        self.center = flatten(model)
 
     # -- worker side ------------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -119,7 +119,7 @@ class EAWild(Strategy):
     def before_step(self, step: int) -> None:
         if step % self.options.tau:
             return
-        self.sent = flatten(self.model).clone()
+        self.sent = flatten(self.model)
         if self.link is not None:
             header = torch.tensor([EXCHANGE], dtype=torch.int64)
             self.pending = [

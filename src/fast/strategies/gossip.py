@@ -5,6 +5,12 @@ x_i <- sum_j W_ij x_j, and the optimizer then applies the gradient computed at t
 paper's Algorithm 1). The exchange is posted before the forward pass and waited for after backward, so
 communication overlaps the computation.
 
+With a `[codec]`, gossip is CHOCO-SGD (Koloskova et al. 2019; `fast.comm.compressed.ChocoGossip`): after
+each optimizer step a worker sends its neighbours the compressed difference between its model and its
+public estimate, and moves towards their estimates with step `consensus_lr`. Compressing the weights
+themselves would not converge. CHOCO needs a fixed W (a topology, every channel up every round) and a
+codec without error feedback (the estimates already keep what was not sent).
+
 Options shared by the family (gossip, ad-psgd, push-sum), declared in `PeerOptions`:
 
 - `topology`: a spec for `parse_topology` ("ring", "torus:RxC", "exponential", ...) or an edge list;
@@ -23,6 +29,7 @@ up when either end called the other.
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 from collections.abc import Callable
@@ -33,9 +40,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from fast.codecs import ErrorFeedback, build_codec
 from fast.comm import Comm, Handle
+from fast.comm.compressed import ChocoGossip, worker_codec
 from fast.config import Config
-from fast.errors import ConfigError
+from fast.errors import CommTimeout, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
 from fast.topology import PeerSchedule, Topology, parse_schedule, parse_topology
 
@@ -60,6 +69,7 @@ class PeerOptions(StrategyOptions):
 
 class GossipOptions(PeerOptions):
     weights: Literal["metropolis", "uniform"] = Field("metropolis", description="the mixing rule for W")
+    consensus_lr: float = Field(0.5, gt=0, le=1, description="CHOCO-SGD's consensus step size (with a codec)")
 
 
 def build_topology(options: PeerOptions, workers: int, seed: int, weights: str = "metropolis") -> Topology:
@@ -165,8 +175,14 @@ class Listener(threading.Thread):
     A header is a float64 vector whose first entry is MESSAGE or DONE; a MESSAGE header is followed by a
     float32 body of `body_numel` values, handed to `on_message(sender, header, body)` in this thread. Senders
     use `send_message` and `send_done`; a pair's messages arrive in the order they were sent, so after a
-    sender's DONE nothing more comes from it. Every receive has the channel's deadline, so the thread ends.
+    sender's DONE nothing more comes from it.
+
+    A listener may rightly hear nothing for a long time (rare pushes, a neighbour evaluating), so its
+    receives wait up to IDLE_DEADLINE_S; the deadlines that catch a dead peer are the senders' own and the
+    one `finish` puts on the wait for the neighbours' DONE.
     """
+
+    IDLE_DEADLINE_S = 7 * 24 * 3600.0
 
     def __init__(
         self,
@@ -178,11 +194,14 @@ class Listener(threading.Thread):
         tag: int = 0,
     ) -> None:
         super().__init__(name="fast-listener", daemon=True)
-        self.channel, self.header_size, self.body_numel = channel, header_size, body_numel
+        self.deadline_s = channel.deadline_s
+        self.channel = copy.copy(channel)  # the same group, seen with a longer deadline for this thread
+        self.channel.deadline_s = self.IDLE_DEADLINE_S
+        self.header_size, self.body_numel = header_size, body_numel
         self.on_message, self.tag = on_message, tag
         self.waiting = set(senders)
         self.received = dict.fromkeys(senders, 0)
-        self.done_headers: dict[int, torch.Tensor] = {}
+        self.done_headers: dict[int, torch.Tensor] = {}  # the training thread reads it: who has finished
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -191,8 +210,8 @@ class Listener(threading.Thread):
                 header = torch.zeros(self.header_size, dtype=torch.float64)
                 sender = self.channel.recv_from(header, tag=self.tag)
                 if header[0].item() == DONE:
-                    self.waiting.discard(sender)
                     self.done_headers[sender] = header
+                    self.waiting.discard(sender)
                     continue
                 body = self.channel.recv(torch.empty(self.body_numel), sender, tag=self.tag + 1)
                 self.received[sender] += 1
@@ -206,9 +225,14 @@ class Listener(threading.Thread):
             raise self.error
 
     def finish(self) -> None:
-        """Wait until every sender said DONE (each receive has a deadline, so this ends)."""
-        self.join()
+        """Wait until every sender said DONE, at most the channel's deadline (as a final collective would)."""
+        self.join(self.deadline_s)
         self.check()
+        if self.is_alive():
+            raise CommTimeout(
+                f"workers {sorted(self.waiting)} did not finish within {self.deadline_s:g}s of this one: "
+                "they are gone or stuck (raise run.deadline_s if they are only slow)"
+            )
 
 
 def post_message(
@@ -231,6 +255,25 @@ def send_message(channel: Comm, peer: int, header: list[float], body: torch.Tens
 def send_done(channel: Comm, peers: list[int], header: list[float] | None = None, tag: int = 0) -> None:
     for peer in peers:
         channel.send(torch.tensor([DONE, *(header or [])], dtype=torch.float64), peer, tag=tag)
+
+
+def check_choco(options: GossipOptions, config: Config) -> None:
+    """ConfigError for what CHOCO-SGD (gossip with a codec) cannot do: a changing W, or error feedback."""
+    for key, changes in (
+        ("schedule", options.schedule is not None),
+        ("send_probability", options.send_probability < 1),
+        ("peers_per_round", options.peers_per_round is not None),
+    ):
+        if changes:
+            raise ConfigError(
+                f"`strategy.{key}` with codec {config.codec.name!r}: CHOCO-SGD keeps estimates of fixed "
+                f"neighbours, so W must not change; remove strategy.{key} or set codec.name = 'none'"
+            )
+    if isinstance(build_codec(config.codec.name, **config.codec.options()), ErrorFeedback):
+        raise ConfigError(
+            "`codec.error_feedback` is on with strategy gossip: CHOCO-SGD's public estimates already keep "
+            "what was not sent; set codec.error_feedback = false"
+        )
 
 
 # -- D-PSGD -----------------------------------------------------------------------------------------------
@@ -296,6 +339,8 @@ class GossipRounds:
 class Gossip(Strategy):
     name = "gossip"
     Options = GossipOptions
+    # CHOCO's codecs must shrink what they compress: E|Q(v) - v|^2 < |v|^2 (not qsgd, terngrad)
+    codecs = ("none", "fp16", "bf16", "uint8", "sign", "topk", "randomk", "powersgd")
 
     @classmethod
     def check(cls, options: GossipOptions, config: Config) -> None:
@@ -305,15 +350,32 @@ class Gossip(Strategy):
                 "`strategy.send_probability` < 1 with schedule exponential-one-peer: a dropped one-way "
                 "message makes the mixing not doubly stochastic; use schedule random-matchings or a topology"
             )
+        if config.codec.name != "none":
+            check_choco(options, config)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState(model)
         self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
         self.exchanges = self.steps = 0
+        codec = self.ctx.config.codec
+        self.choco: ChocoGossip | None = None
+        if codec.name != "none":
+            i, topology, ranks = self.comm.index(), self.rounds.topology, self.comm.ranks
+            self.choco = ChocoGossip(
+                self.comm,
+                worker_codec(codec.name, codec.options(), self.ctx.rank),
+                {ranks[j]: topology.weight(i, j) for j in topology.neighbors(i)},
+                topology.weight(i, i),
+                self.options.consensus_lr,
+                self.state.read(),
+                shapes=[t.shape for t in self.state.tensors],
+            )
 
     # -- the exchange, overlapped with forward and backward ----------------------------------------------
     def before_step(self, step: int) -> None:
+        if self.choco is not None:  # CHOCO exchanges after the optimizer step
+            return
         self.round = self.rounds.plan(self.comm.index(), step)
         self.mine = self.state.read()
         ranks = self.comm.ranks
@@ -322,6 +384,8 @@ class Gossip(Strategy):
         self.handles += [self.comm.isend(self.mine, ranks[j]) for j in self.round.sends]
 
     def after_backward(self, step: int) -> None:
+        if self.choco is not None:
+            return
         for handle in self.handles:
             handle.wait()
         mixed = self.mine * self.round.keep
@@ -331,6 +395,19 @@ class Gossip(Strategy):
         self.exchanges += len(self.inbox)
         self.steps += 1
         self.handles, self.inbox = [], {}
+
+    def after_optimizer_step(self, step: int) -> None:
+        if self.choco is not None:
+            self.state.write(self.choco.step(self.state.read()))
+            self.exchanges += len(self.choco.weights)
+            self.steps += 1
+
+    def state_dict(self) -> dict[str, object]:
+        return {"choco": self.choco.state_dict()} if self.choco is not None else {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if self.choco is not None and "choco" in state:
+            self.choco.load_state_dict(state["choco"])
 
     def summary(self) -> dict[str, object]:
         figures: dict[str, object] = {

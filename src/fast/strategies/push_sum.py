@@ -12,8 +12,9 @@ The exchanges conserve the sum of the weights (one, once the pushes in flight ar
 weighted sum of the replicas, sum_i alpha_i x_i, the consensus that the replicas approach (with lr = 0 they
 all converge to it). At the end every worker tells each neighbour how many pushes it sent and merges theirs
 until all neighbours have done so, so nothing is left in flight; the summary lists the final weights
-(`push_sum_weights`). The reported "average" model is the plain mean of the replicas: by then a large
-alpha mostly says that a worker finished early and kept receiving pushes, not that its replica is better.
+(`push_sum_weights`). A worker that has finished is pushed to no more: it would keep the weight and never
+pass it on. The reported "average" model is the plain mean of the replicas, as for other decentralised
+strategies.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class PushSum(Strategy):
         self._merge_arrivals()
 
     def after_optimizer_step(self, step: int) -> None:
-        targets = self.peers.targets(step)
+        # a neighbour that has finished would keep the weight and never pass it on: push to the others
+        targets = [peer for peer in self.peers.targets(step) if peer not in self.listener.done_headers]
         if not targets:
             return
         self.alpha /= len(targets) + 1

@@ -44,7 +44,8 @@ class Bucket:
     def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
         self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params) + 1, device=device)
-        flat = torch.split(self.buffer[:-1], [p.numel() for p in params])
+        self.grads, self.count = self.buffer[:-1], self.buffer[-1:]
+        flat = torch.split(self.grads, [p.numel() for p in params])
         self.views = [view.view_as(p) for view, p in zip(flat, params, strict=True)]
         self.ready = 0
         self.handle: Handle | PendingSum | None = None
@@ -56,14 +57,14 @@ class Bucket:
             elif p.grad.data_ptr() != view.data_ptr():  # not already the view (zero_grad(set_to_none=False))
                 view.copy_(p.grad)
         # min and max are NaN or infinite exactly when some element is; far cheaper than isfinite().all()
-        finite = bool(torch.isfinite(torch.stack(torch.aminmax(self.buffer[:-1]))).all())
+        finite = bool(torch.isfinite(torch.stack(torch.aminmax(self.grads))).all())
         if not finite:
             self.buffer.zero_()
-        self.buffer[-1] = 1.0 if finite else 0.0
+        self.count.fill_(1.0 if finite else 0.0)
 
     def average(self) -> None:
-        count = float(self.buffer[-1])
-        self.buffer[:-1].div_(count) if count > 0 else self.buffer.zero_()
+        count = float(self.count)
+        self.grads.div_(count) if count > 0 else self.buffer.zero_()
 
     def write_back(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):

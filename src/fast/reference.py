@@ -1,0 +1,55 @@
+"""The configuration reference of strategies and codecs, read from their own declarations."""
+
+from __future__ import annotations
+
+import inspect
+
+from fast.codecs import CODECS, codec_options
+from fast.strategies import registry
+from fast.strategies.base import StrategyOptions
+
+
+def _first_line(obj: object) -> str:
+    doc = inspect.getdoc(obj) or inspect.getdoc(inspect.getmodule(obj)) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def strategy_rows() -> list[tuple[str, str, str]]:
+    """(name, what it is, its keys with defaults) for every registered strategy."""
+    rows = []
+    common = set(StrategyOptions.model_fields)
+    for name, cls in sorted(registry().items()):
+        keys = []
+        for key, field in cls.Options.model_fields.items():
+            if key in common:
+                continue
+            default = "required" if field.is_required() else repr(field.default)
+            text = f"`{key}` = {default}"
+            keys.append(f"{text}: {field.description}" if field.description else text)
+        what = _first_line(inspect.getmodule(cls)).split(":", 1)[-1].strip() if name != "none" else (
+            "no communication at all: every worker trains alone (the upper bound of speed)")
+        rows.append((name, what, "; ".join(keys) or "—"))
+    return rows
+
+
+def codec_rows() -> list[tuple[str, str]]:
+    from fast.codecs import _CLASSES
+
+    rows = []
+    for name in CODECS:
+        parameters = inspect.signature(_CLASSES[name].__init__).parameters
+        keys = []
+        for option in codec_options(name):
+            p = parameters.get(option)
+            default = "" if p is None or p.default is inspect.Parameter.empty else f" = {p.default!r}"
+            keys.append(f"`{option}`{default}")
+        rows.append((name, ", ".join(keys)))
+    return rows
+
+
+def markdown() -> str:
+    lines = ["| strategy | what it does | keys (default) |", "|---|---|---|"]
+    lines += [f"| `{n}` | {w} | {k} |" for n, w, k in strategy_rows()]
+    lines += ["", "| codec | keys |", "|---|---|"]
+    lines += [f"| `{n}` | {k} |" for n, k in codec_rows()]
+    return "\n".join(lines)
