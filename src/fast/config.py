@@ -160,6 +160,9 @@ def load_dict(path: str | Path) -> dict[str, Any]:
 
 def build_config(data: dict[str, Any]) -> Config:
     """Validate a nested dict into a Config, including strategy and codec options and cross-key checks."""
+    if "variant" in data:
+        raise ConfigError("this config has [[variant]] tables: run it with `fast compare` (or `fast predict`), "
+                          "or remove them to train the base job")
     try:
         config = Config.model_validate(data)
     except ValidationError as e:

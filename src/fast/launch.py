@@ -3,7 +3,8 @@
 Each child gets the same environment torchrun would give it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 LOCAL_RANK), so the worker code is the same locally and across machines. If any child fails, the others
 are stopped and the first failure's one-line message is raised; children die with their parent
-(PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no orphan.
+(PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no orphan. With `survivable=True` (strategies that
+survive failures) only rank 0's failure stops the run: the others may die and the survivors go on.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ def launch(
     port: int,
     threads: int = 1,
     extra_env: dict[str, str] | None = None,
+    survivable: bool = False,
 ) -> dict[int, Any]:
-    """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed."""
+    """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
+
+    With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
+    others are not stopped; rank 0 (which writes the outputs) must end well."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     store_dir = tempfile.mkdtemp(prefix="fast-store-")
@@ -110,7 +115,8 @@ def launch(
                     rank, proc = pending.pop(ready)
                     proc.join()
                     exited[rank] = proc.exitcode
-                    if proc.exitcode != 0 and settle_until is None:
+                    fatal = not survivable or rank == 0
+                    if proc.exitcode != 0 and fatal and settle_until is None:
                         settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
                 outputs.update(_drain(results))
     except KeyboardInterrupt:
@@ -121,6 +127,8 @@ def launch(
     outputs.update(_drain(results))
     if interrupted:
         raise WorkerFailed("interrupted (Ctrl-C): every worker was stopped")
+    if survivable and not isinstance(outputs.get(0), _Error) and exited.get(0) == 0:
+        return {rank: value for rank, value in outputs.items() if not isinstance(value, _Error)}
     failure = _root_cause(outputs, exited)
     if failure is not None:
         raise WorkerFailed(failure)

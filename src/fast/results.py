@@ -59,8 +59,8 @@ def _predicted_step_time(worker: Worker, compute_s: float | None) -> float | Non
         return None
 
 
-def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] | None:
-    """Collective over all processes: rank 0 writes metrics.jsonl, summary.json and model.pt."""
+def _own_figures(worker: Worker) -> dict[str, Any]:
+    """What this process contributes to the summary."""
     own = {
         "rank": worker.rank,
         "server": worker.is_server,
@@ -78,22 +78,32 @@ def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] 
     if not worker.is_server and worker.strategy.decentralised:
         correct, _, n = evaluate(worker.model, worker.data.x_test, worker.data.y_test, worker.device)
         own["own_test_accuracy"] = correct / n
+    return own
+
+
+def gather_and_write(worker: Worker, model: nn.Module | None) -> dict[str, Any] | None:
+    """Collective over all processes: rank 0 writes metrics.jsonl, summary.json and model.pt."""
+    own = _own_figures(worker)
     payload = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
     with worker.world.unmetered():
         parts = worker.world.all_gather_bytes(payload.to(worker.world.device))
     if worker.rank != 0:
         return None
     everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
-    summary = summarize(worker, everyone)
+    return write_outputs(worker, everyone, model, summarize(worker, everyone))
+
+
+def write_outputs(
+    worker: Worker, everyone: list[dict[str, Any]], model: nn.Module | None, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """Rank 0 writes metrics.jsonl (every process's records), model.pt and summary.json."""
     run_dir = worker.run_dir
     records = sorted((r for p in everyone for r in p["records"]), key=lambda r: (r["time_s"], r["worker"]))
     tmp = run_dir / "metrics.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     os.replace(tmp, run_dir / "metrics.jsonl")
     if model is not None:
-        checkpoint.save_atomic(
-            {k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt"
-        )
+        checkpoint.save_atomic({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt")
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")

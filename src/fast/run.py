@@ -77,7 +77,8 @@ def train(
         outputs = launch_elastic(worker_main, nprocs, args, addr=addr, port=port, threads=threads,
                                  max_restarts=config.run.max_restarts)
     else:
-        outputs = launch(worker_main, nprocs, args, addr=addr, port=port, threads=threads)
+        survivable = strategy_class(config.strategy.name).survives_failures
+        outputs = launch(worker_main, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable)
     summary = outputs[0]
     summary["run_dir"] = str(run_dir)
     return summary

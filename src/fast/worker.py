@@ -190,6 +190,10 @@ class Worker:
             self.world.barrier()
             self.machine.start(self.world)
             self.strategy.serve(self.model)
+            if self.strategy.survives_failures:
+                from fast.survivors import gather_from_survivors
+
+                return gather_from_survivors(self)
             return self._finish(None)
         self.strategy.setup(self.model, self.optimizer)
         clock_offset = self._restore() if self.resume else 0.0
@@ -233,6 +237,12 @@ class Worker:
             if every and done % every == 0 and done < self.total_steps:
                 self._checkpoint(done)
         self.strategy.end_of_run()
+        if self.strategy.survives_failures:  # nothing collective: a dead worker could not take part
+            if self.progress is not None:
+                self.progress.close()
+            from fast.survivors import gather_from_survivors
+
+            return gather_from_survivors(self)
         self._evaluate(self.total_steps, final=True)
         if self.progress is not None:
             self.progress.close()
@@ -291,7 +301,8 @@ class Worker:
         Collective (every worker evaluates a slice of the test set) unless the strategy evaluates on rank 0
         alone during training so that asynchronous workers never wait; the final evaluation is collective.
         """
-        collective = final or self.strategy.collective_eval
+        survivable = self.strategy.survives_failures
+        collective = final or (self.strategy.collective_eval and not survivable)
         if not collective and self.rank != 0:
             return
         with self.clock.pause():
@@ -301,8 +312,8 @@ class Worker:
                 with self.comm.unmetered():
                     self.comm.all_reduce(stats)
                     divergence = self.strategy.divergence() if self.strategy.decentralised else 0.0
-            else:
-                model = self.strategy.eval_model()
+            else:  # a strategy that survives failures evaluates rank 0's own replica while it trains
+                model = self.strategy.model if self.strategy.collective_eval else self.strategy.eval_model()
                 stats = torch.tensor(evaluate(model, self.data.x_test, self.data.y_test, self.device))
                 divergence = None
         self.final = model

@@ -16,6 +16,7 @@ Native links never lose one; an emulated lossy or down link may, and the receive
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -72,6 +73,14 @@ def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> 
             f"(raise run.deadline_s if it is only slow)"
         )
     return CommError(f"{op} with {peer} failed: {text}")
+
+
+def _post(op: str, peer: str, deadline_s: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Start a point-to-point operation; a connection already known to be closed fails here, not at wait()."""
+    try:
+        return start(*args, **kwargs)
+    except RuntimeError as e:
+        raise _comm_error(op, peer, deadline_s, e) from None
 
 
 class Comm:
@@ -135,21 +144,20 @@ class Comm:
 
     # -- point to point ----------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
-        work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        work = _post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
         return Handle(work, "send", f"worker {dst}", self.deadline_s)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
-        work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
+        peer = f"worker {src}" if src is not None else "any worker"
+        work = _post("recv", peer, self.deadline_s, dist.irecv, tensor, src=src, group=self.group, tag=tag)
 
         def done() -> torch.Tensor:
             peer = src if src is not None else work.source_rank()
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor
 
-        return Handle(
-            work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done
-        )
+        return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
         self.isend(tensor, dst, tag, droppable).wait()
@@ -157,9 +165,21 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
         return self.irecv(tensor, src, tag).wait()
 
-    def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
-        """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
-        work = dist.irecv(tensor, src=None, group=self.group, tag=tag)
+    def recv_from(self, tensor: torch.Tensor, tag: int = 0, give_up: Callable[[], bool] | None = None) -> int | None:
+        """Receive into `tensor` from whichever peer sends first; returns that peer's rank.
+
+        With `give_up`, wait without a deadline, polling, until a message comes or `give_up()` is true, and
+        then return None (for waits that may rightly end without a message: gloo is unusable after a missed
+        deadline). The receive then stays posted, so use it only when nothing more is wanted on `tag`.
+        """
+        work = _post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
+        if give_up is not None:
+            pause = 5e-5
+            while not work.is_completed():
+                if give_up():
+                    return None
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)
         Handle(work, "recv", "any worker", self.deadline_s).wait()
         peer = work.source_rank()
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
@@ -189,9 +209,7 @@ class Comm:
         i = self.index()
         return self.ranks[(i + 1) % self.size], self.ranks[(i - 1) % self.size]
 
-    def all_reduce(
-        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
-    ) -> Handle | torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | torch.Tensor:
         """Sum (or average, op="mean") `tensor` in place across the group."""
         if op not in ("sum", "mean", "max", "min"):
             raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
@@ -248,9 +266,7 @@ class Comm:
         """Wait until every member arrives (control traffic: not counted)."""
         flag = torch.zeros(1, device=self.device)
         with self.unmetered():
-            self._collective(
-                lambda: dist.all_reduce(flag, group=self.group, async_op=True), "barrier", flag, 0
-            ).wait()
+            self._collective(lambda: dist.all_reduce(flag, group=self.group, async_op=True), "barrier", flag, 0).wait()
 
     def _collective(
         self,
@@ -274,7 +290,5 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         right, left = self._ring_neighbours()
         self.counter.add_sent(right, round(nbytes * send_share))
-        self.counter.add_received(
-            left, round(nbytes * (send_share if receive_share is None else receive_share))
-        )
+        self.counter.add_received(left, round(nbytes * (send_share if receive_share is None else receive_share)))
         return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done)

@@ -20,12 +20,18 @@ the worker last pulled as the backup (the worker's local steps and accumulated p
 At the end each worker pushes what it has accumulated and says "done"; when every worker is done the servers
 send all of them the final weights, so every replica reports the servers' model.
 
+A worker may die: the servers forget a worker whose connection closes or that stays silent past the comm
+deadline (a silent worker that speaks again is taken back), finish when every live worker is done, and the
+run ends with the survivors (`survives_failures`); a server's death stays fatal.
+
 With a `[codec]`, each pushed slice travels encoded (with the worker's error feedback per slice:
 `fast.comm.compressed`); pulled weights stay dense, since compressing weights themselves loses too much.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import Any
 
 import torch
@@ -36,7 +42,7 @@ from fast.codecs import CODECS
 from fast.comm import Handle
 from fast.comm.compressed import isend_encoded, recv_encoded, worker_codec
 from fast.config import Config
-from fast.errors import ConfigError
+from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
 
 PUSH, PULL, DONE = 1, 2, 3
@@ -93,6 +99,7 @@ class AsyncPS(Strategy):
     Options = AsyncPSOptions
     decentralised = False  # at the end every replica holds the servers' weights
     collective_eval = False
+    survives_failures = True
     # slices of the flat gradient, in frames of a size the server knows in advance: no low rank, no threshold
     codecs = tuple(name for name in CODECS if name not in ("powersgd", "threshold", "dgc"))
 
@@ -180,17 +187,18 @@ class AsyncPS(Strategy):
         if self.steps_since_push:
             self._exchange(PUSH, False)
         header = torch.tensor([DONE, 0], dtype=torch.int64)
+        # the servers answer when every worker is done or taken for dead, which takes them up to a deadline
+        patient = copy.copy(self.world)
+        patient.deadline_s = 3 * self.world.deadline_s
         pending = []
         for server, (start, end) in zip(self.servers, self.bounds, strict=True):
             pending.append(self.world.isend(header, server, tag=HEADER_TAG))
-            pending.append(self.world.irecv(self.pulled[start:end], server, tag=FINAL_TAG))
+            pending.append(patient.irecv(self.pulled[start:end], server, tag=FINAL_TAG))
         for handle in pending:
             handle.wait()
+        # running statistics (batch norm) never reach the servers: the end of the run averages them
+        # (fast.survivors, over the workers that are still alive)
         load_flat(self.model, self.pulled)
-        with torch.no_grad():  # running statistics (batch norm) never reach the servers: average them
-            for buffer in self.model.buffers():
-                if buffer.is_floating_point():
-                    self.comm.all_reduce(buffer, op="mean")
 
     # -- server side ------------------------------------------------------------------------------------------
     def setup_server(self, model: nn.Module) -> None:
@@ -211,32 +219,61 @@ class AsyncPS(Strategy):
         )
         self.version = 0  # updates applied to this shard
         self.pulled_version = dict.fromkeys(range(self.ctx.workers), 0)
+        self.updates_from = dict.fromkeys(range(self.ctx.workers), 0)
         self.backup = {w: shard.clone() for w in range(self.ctx.workers)} if opts.delay_compensation > 0 else {}
 
     def serve(self, model: nn.Module) -> None:
-        """Answer pushes and pulls from any worker in arrival order until every worker is done."""
+        """Answer pushes and pulls from any worker in arrival order until every live worker is done."""
         header = torch.zeros(2, dtype=torch.int64)
-        gradient = torch.empty_like(self.shard)
+        self.gradient = torch.empty_like(self.shard)
         done: set[int] = set()
-        while len(done) < self.ctx.workers:
-            worker = self.world.recv_from(header, tag=HEADER_TAG)
+        self.heard = dict.fromkeys(range(self.ctx.workers), time.monotonic())
+        while len(done | self.dead) < self.ctx.workers:
+            worker = self.world.recv_from(header, tag=HEADER_TAG, give_up=lambda: self._forget_the_silent(done))
+            if worker is None:  # the workers not done are all taken for dead
+                break
+            if worker in self.dead:  # only slow, not dead: take it back
+                self.dead.discard(worker)
+                self.failures = [f for f in self.failures if f["worker"] != worker]
+            self.heard[worker] = time.monotonic()
             kind, pull = (int(v) for v in header)
             if kind == DONE:
                 done.add(worker)
-                continue
-            if kind == PUSH:
-                if self.codec is None:
-                    self.world.recv(gradient, worker, tag=PAYLOAD_TAG)
-                else:
-                    gradient = recv_encoded(self.world, self.codec, gradient.shape, worker, tag=PAYLOAD_TAG)
-                self.apply(worker, gradient)
-            if pull:
-                self.world.send(self.shard.detach(), worker, tag=PAYLOAD_TAG)
-                self.pulled_version[worker] = self.version
-                if worker in self.backup:
-                    self.backup[worker].copy_(self.shard.detach())
-        for worker in range(self.ctx.workers):
-            self.world.send(self.shard.detach(), worker, tag=FINAL_TAG)
+            else:
+                try:
+                    self._answer(worker, kind, pull)
+                except CommError as e:
+                    self.lost(worker, self._last_step(worker), str(e))
+        for worker in sorted(done - self.dead):
+            try:
+                self.world.send(self.shard.detach(), worker, tag=FINAL_TAG)
+            except CommError as e:
+                self.lost(worker, self._last_step(worker), str(e))
+
+    def _answer(self, worker: int, kind: int, pull: int) -> None:
+        if kind == PUSH:
+            if self.codec is None:
+                self.world.recv(self.gradient, worker, tag=PAYLOAD_TAG)
+            else:
+                self.gradient = recv_encoded(self.world, self.codec, self.gradient.shape, worker, tag=PAYLOAD_TAG)
+            self.apply(worker, self.gradient)
+        if pull:
+            self.world.send(self.shard.detach(), worker, tag=PAYLOAD_TAG)
+            self.pulled_version[worker] = self.version
+            if worker in self.backup:
+                self.backup[worker].copy_(self.shard.detach())
+
+    def _last_step(self, worker: int) -> int:
+        """The last of a worker's steps whose gradient this server has applied."""
+        return self.updates_from[worker] * self.options.push_every
+
+    def _forget_the_silent(self, done: set[int]) -> bool:
+        """Take for dead the workers not done that were silent past the deadline; True when none is left."""
+        now, deadline = time.monotonic(), self.world.deadline_s
+        for worker, heard in self.heard.items():
+            if worker not in done and worker not in self.dead and now - heard > deadline:
+                self.lost(worker, self._last_step(worker), f"silent for {deadline:g}s (run.deadline_s)")
+        return len(done | self.dead) == self.ctx.workers
 
     def apply(self, worker: int, gradient: torch.Tensor) -> None:
         """One server update from a worker's pushed gradient, with its staleness recorded."""
@@ -252,6 +289,7 @@ class AsyncPS(Strategy):
         )
         self.server_optimizer.step()
         self.version += 1
+        self.updates_from[worker] += 1
 
     def summary(self) -> dict[str, Any]:
         if self.ctx.rank < self.ctx.workers:

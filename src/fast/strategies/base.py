@@ -61,6 +61,10 @@ class Strategy:
     averages_gradients: ClassVar[bool] = False
     # the `[codec]` names this strategy applies to what it sends (checked with the config); "none" = dense
     codecs: ClassVar[tuple[str, ...]] = ("none",)
+    # True: the run goes on when a worker other than rank 0 dies; the strategy drops the peers it finds dead
+    # (recording each with `lost`), evaluation during training is rank 0's alone, and the end of the run is
+    # point-to-point to rank 0 (fast.results.gather_from_survivors) instead of collective
+    survives_failures: ClassVar[bool] = False
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options
@@ -68,6 +72,8 @@ class Strategy:
         self.comm = ctx.comm
         self.world = ctx.world
         self.staleness: list[int] = []
+        self.dead: set[int] = set()  # global ranks this process found dead (survives_failures only)
+        self.failures: list[dict[str, Any]] = []
         self.model: nn.Module
         self.optimizer: torch.optim.Optimizer
 
@@ -119,6 +125,18 @@ class Strategy:
     def summary(self) -> dict[str, Any]:
         """Strategy-specific figures added to summary.json."""
         return {}
+
+    def lost(self, peer: int, step: int | None, how: str) -> None:
+        """Record that global rank `peer` was found dead at this process's `step`, and how it was noticed."""
+        if peer in self.dead:
+            return
+        self.dead.add(peer)
+        import time
+
+        self.failures.append(
+            {"worker": peer, "step": step, "unix_time": time.time(), "how": how, "noticed_by": self.ctx.rank}
+        )
+        self.ctx.log(f"worker {self.ctx.rank}: worker {peer} is gone ({how}); going on without it")
 
     # -- the reported model -----------------------------------------------------------------------------------
     def flat_parameters(self, model: nn.Module | None = None) -> torch.Tensor:

@@ -161,10 +161,7 @@ class EASGD(Strategy):
         if self.ctx.rank >= self.ctx.workers:
             return {"center_updates": self.center_updates}
         reported = "center" if self.options.final_model == "average" else self.options.final_model
-        figures: dict[str, Any] = {"final_model": reported, "moving_rate": self.alpha}
-        if not self.is_async:
-            figures["elastic_exchanges"] = self.exchanges
-        return figures
+        return {"final_model": reported, "moving_rate": self.alpha, "elastic_exchanges": self.exchanges}
 
     # -- the master (async) --------------------------------------------------------------------------------
     def setup_server(self, model: nn.Module) -> None:

@@ -25,6 +25,13 @@ alike: each channel is up in round r when a draw seeded by (seed, r, min(i, j), 
 channel that is down moves its weight W_ij onto the diagonal W_ii. With `peers_per_round = k` each worker
 calls k random neighbours (a draw seeded by (seed, r, i) that its neighbours can repeat), and a channel is
 up when either end called the other.
+
+A worker that dies (D-PSGD without a codec) is noticed by its neighbours when their exchange with it fails
+(the connection closes, or the deadline passes): they record it, move its weight for that round onto their
+own, and from the next round mix on `Topology.without(dead)` (weights re-made by the same rule, so W stays
+symmetric and doubly stochastic over the survivors). Every message carries its sender's list of the dead,
+so the news reaches the workers that are not the dead one's neighbours within a few rounds. CHOCO-SGD keeps
+estimates of fixed neighbours and does not survive a death.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from fast.codecs import ErrorFeedback, build_codec
 from fast.comm import Comm, Handle
 from fast.comm.compressed import ChocoGossip, worker_codec
 from fast.config import Config
-from fast.errors import CommTimeout, ConfigError
+from fast.errors import CommError, CommTimeout, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
 from fast.topology import PeerSchedule, Topology, parse_schedule, parse_topology
 
@@ -299,10 +306,17 @@ class GossipRounds:
         self.options, self.seed = options, seed
         self.schedule: PeerSchedule | None = None
         self.topology: Topology | None = None
+        self.dead: set[int] = set()
         if options.schedule is not None:
             self.schedule = parse_schedule(options.schedule, size, seed=seed)
         else:
             self.topology = build_topology(options, size, seed, options.weights)
+
+    def forget(self, dead: set[int]) -> None:
+        """Plan the next rounds without workers `dead` (topology indices) and their channels."""
+        self.dead |= dead
+        if self.topology is not None:
+            self.topology = self.topology.without(self.dead)
 
     def describe(self) -> str:
         return self.schedule.name if self.schedule is not None else self.topology.name
@@ -326,6 +340,8 @@ class GossipRounds:
         """Worker i's part of round `round` (topology indices, not global ranks)."""
         if self.schedule is not None:
             sends, sources = self.schedule.send_to(i, round), self.schedule.receive_from(i, round)
+            sends = [j for j in sends if j not in self.dead]
+            sources = [j for j in sources if j not in self.dead]
             if self.schedule.symmetric and sources and not self._channel_up(round, i, sources[0]):
                 sends, sources = [], []
             share = 1.0 / (1 + len(sources))
@@ -339,6 +355,7 @@ class GossipRounds:
 class Gossip(Strategy):
     name = "gossip"
     Options = GossipOptions
+    survives_failures = True  # D-PSGD only: with a codec (CHOCO-SGD) a death stays fatal
     # CHOCO's codecs must shrink what they compress: E|Q(v) - v|^2 < |v|^2 (not qsgd, terngrad)
     codecs = ("none", "fp16", "bf16", "uint8", "sign", "topk", "randomk", "powersgd")
 
@@ -358,6 +375,7 @@ class Gossip(Strategy):
         self.state = FlatState(model)
         self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
         self.exchanges = self.steps = 0
+        self.newly_dead: set[int] = set()  # topology indices found dead in the current round
         codec = self.ctx.config.codec
         self.choco: ChocoGossip | None = None
         if codec.name != "none":
@@ -379,21 +397,53 @@ class Gossip(Strategy):
         self.round = self.rounds.plan(self.comm.index(), step)
         self.mine = self.state.read()
         ranks = self.comm.ranks
-        self.inbox = {j: torch.empty_like(self.mine) for j in self.round.takes}
-        self.handles: list[Handle] = [self.comm.irecv(buf, ranks[j]) for j, buf in self.inbox.items()]
-        self.handles += [self.comm.isend(self.mine, ranks[j]) for j in self.round.sends]
+        # the message: the replica, then one flag per worker this one knows to be dead
+        dead = torch.zeros(self.comm.size)
+        dead[sorted(self.rounds.dead)] = 1.0
+        message = torch.cat([self.mine, dead.to(self.mine)])
+        self.inbox = {j: torch.empty_like(message) for j in self.round.takes}
+        self.handles: list[tuple[int, Handle]] = []
+        for j, buffer in self.inbox.items():
+            self._post(step, j, self.comm.irecv, buffer, ranks[j])
+        for j in self.round.sends:
+            self._post(step, j, self.comm.isend, message, ranks[j])
+
+    def _post(self, step: int, j: int, start: Callable[..., Handle], *args: object) -> None:
+        try:
+            self.handles.append((j, start(*args)))
+        except CommError as e:
+            self._lost(j, step, str(e))
+
+    def _lost(self, j: int, step: int, how: str) -> None:
+        self.lost(self.comm.ranks[j], step, how)
+        self.newly_dead.add(j)
 
     def after_backward(self, step: int) -> None:
         if self.choco is not None:
             return
-        for handle in self.handles:
-            handle.wait()
+        for j, handle in self.handles:
+            if j in self.newly_dead:
+                continue  # its other operation failed already
+            try:
+                handle.wait()
+            except CommError as e:
+                self._lost(j, step, str(e))
+        numel = self.state.numel
         mixed = self.mine * self.round.keep
         for j, theirs in self.inbox.items():
-            mixed.add_(theirs, alpha=self.round.takes[j])
+            if j in self.newly_dead:  # its share of this round stays with this worker
+                mixed.add_(self.mine, alpha=self.round.takes[j])
+                continue
+            mixed.add_(theirs[:numel], alpha=self.round.takes[j])
+            for k in theirs[numel:].nonzero().flatten().tolist():
+                if k not in self.rounds.dead and k != self.comm.index():
+                    self._lost(k, step, f"told by worker {self.comm.ranks[j]}")
         self.state.write(mixed)
-        self.exchanges += len(self.inbox)
+        self.exchanges += len(self.inbox) - len(self.newly_dead & self.inbox.keys())
         self.steps += 1
+        if self.newly_dead:
+            self.rounds.forget(self.newly_dead)
+            self.newly_dead = set()
         self.handles, self.inbox = [], {}
 
     def after_optimizer_step(self, step: int) -> None:
