@@ -20,6 +20,7 @@ from fast.comm.compressed import (
 from fast.config import load_config
 from fast.errors import ConfigError, FrameError
 from fast.models import build_model
+from fast.strategies.sync import MomentumCorrection
 
 N = 1000
 SITS_OUT = 2  # the rank that contributes nothing to the "topk" sum
@@ -184,7 +185,12 @@ def test_compressed_sync_converges_and_counts_exact_bytes(tmp_path, codec, optio
     buckets = _buckets(bucket_mb)
     assert len(buckets) == 2
     codec_obj = build_codec(codec, **options)
-    per_step = sum((workers - 1) * (8 + sum(codec_obj.encoded_size(shape) for shape in bucket)) for bucket in buckets)
+
+    def frames(bucket: list[tuple[int, ...]]) -> int:  # sign: a frame per tensor; top-k: a global one per bucket
+        shapes = [(sum(math.prod(shape) for shape in bucket),)] if codec == "topk" else bucket
+        return sum(codec_obj.encoded_size(shape) for shape in shapes)
+
+    per_step = sum((workers - 1) * (8 + frames(bucket)) for bucket in buckets)
     dense_per_step = sum((workers - 1) * 4 * (sum(math.prod(shape) for shape in bucket) + 1) for bucket in buckets)
     steps = summary["steps_per_worker"] * workers
     assert summary["bytes_sent"] == steps * per_step
@@ -221,6 +227,30 @@ def test_strategies_train_with_compressed_messages(tmp_path, strategy, codec, ac
         steps = 2 * summary["steps_per_worker"]
         assert summary["bytes_sent"] == steps * per_step
         assert summary["bytes_sent_uncompressed"] == steps * 4 * sum(math.prod(shape) for shape in shapes)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_is_the_optimizers_own_sgd_when_nothing_is_lost(nesterov):
+    torch.manual_seed(0)
+    reference, corrected = build_model("mlp", (1, 8, 8), 10), build_model("mlp", (1, 8, 8), 10)
+    corrected.load_state_dict(reference.state_dict())
+    initial = [p.detach().clone() for p in reference.parameters()]
+    settings = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "nesterov": nesterov}
+    optimizers = [torch.optim.SGD(m.parameters(), **settings) for m in (reference, corrected)]
+    correction = MomentumCorrection(optimizers[1])
+    assert (optimizers[1].param_groups[0]["momentum"], optimizers[1].param_groups[0]["weight_decay"]) == (0, 0)
+    x, y = torch.randn(4, 16, 1, 8, 8), torch.randint(0, 10, (4, 16))
+    for step in range(4):
+        for model, optimizer in zip((reference, corrected), optimizers, strict=True):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[step]), y[step]).backward()
+        params = list(corrected.parameters())
+        correction.apply(params, [p.grad for p in params])
+        for optimizer in optimizers:
+            optimizer.step()
+    for a, b in zip(reference.parameters(), corrected.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(initial[0], next(reference.parameters()))  # it did train
 
 
 def test_frames_laid_end_to_end_split_at_their_headers():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fast
+from fast.launch import WorkerFailed
 
 JOB = {
     "data__name": "digits",
@@ -23,7 +24,7 @@ DIES_AT = 10  # the step (1-based) at which worker 2 kills itself
 
 def _killed_at_step(model, x, y):
     _killed_at_step.calls += 1
-    if os.environ["RANK"] == "2" and _killed_at_step.calls == DIES_AT:
+    if os.environ["RANK"] == os.environ.get("KILLED_RANK", "2") and _killed_at_step.calls == DIES_AT:
         os.kill(os.getpid(), signal.SIGKILL)
     return torch.nn.functional.cross_entropy(model(x), y)
 
@@ -48,3 +49,11 @@ def test_a_worker_killed_mid_run_is_dropped_and_the_survivors_finish(tmp_path, n
     assert summary["final_test_accuracy"] > 0.85
     assert summary["evaluations"][-1]["step"] == summary["steps_per_worker"]
     assert (tmp_path / "model.pt").exists()
+
+
+def test_rank_0_writes_the_outputs_so_its_death_still_ends_the_run(tmp_path, monkeypatch, no_orphans):
+    monkeypatch.setenv("KILLED_RANK", "0")
+    with pytest.raises(WorkerFailed, match="worker 0 was killed by signal 9"):
+        fast.train(
+            None, out=str(tmp_path), step_fn=_killed_at_step, **{**JOB, "run__epochs": 1}, strategy__name="gossip"
+        )

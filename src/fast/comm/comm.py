@@ -16,7 +16,7 @@ Native links never lose one; an emulated lossy or down link may, and the receive
 
 from __future__ import annotations
 
-import time
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -67,6 +67,8 @@ class Handle:
 
 def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    # gloo's "[file.cc:553] Connection closed by peer [addr]:port. This is typically caused by ..." -> its gist
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0]
     if "timeout" in text.lower() or "timed out" in text.lower():
         return CommTimeout(
             f"{op} with {peer} passed its {deadline_s:g}s deadline: the peer is gone or stuck "
@@ -165,21 +167,9 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
         return self.irecv(tensor, src, tag).wait()
 
-    def recv_from(self, tensor: torch.Tensor, tag: int = 0, give_up: Callable[[], bool] | None = None) -> int | None:
-        """Receive into `tensor` from whichever peer sends first; returns that peer's rank.
-
-        With `give_up`, wait without a deadline, polling, until a message comes or `give_up()` is true, and
-        then return None (for waits that may rightly end without a message: gloo is unusable after a missed
-        deadline). The receive then stays posted, so use it only when nothing more is wanted on `tag`.
-        """
+    def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
+        """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
         work = _post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
-        if give_up is not None:
-            pause = 5e-5
-            while not work.is_completed():
-                if give_up():
-                    return None
-                time.sleep(pause)
-                pause = min(2 * pause, 2e-3)
         Handle(work, "recv", "any worker", self.deadline_s).wait()
         peer = work.source_rank()
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())

@@ -5,8 +5,12 @@ How a compressed sum travels depends on the codec (`fast.codecs`):
 - summable codecs (none, fp16, bf16): the values, cast to the codec's wire dtype, are all-reduced;
 - PowerSGD: P = M Q is all-reduced, orthonormalised, then Q = M^T P is all-reduced (the tensors PowerSGD
   leaves raw, such as biases, travel in fp32 with P); every worker then holds P (sum of Q)^T;
-- every other codec: each worker's frame is all-gathered, and every worker decodes all of them and adds
+- every other codec: each worker's frames are all-gathered, and every worker decodes all of them and adds
   them up in group order, so that every worker gets the same bits (top-k exchanges values and indices).
+
+A flat tensor that packs several (`shapes`) is encoded a frame per tensor, so that scales, norms and
+low-rank factors are per tensor; sparsifiers instead select over the whole flat tensor (a global top-k),
+which lets the tensors with the largest values take more of the budget.
 
 Error feedback (an ErrorFeedback codec) keeps at each worker what its codec did not send of each tensor key.
 A worker may sit a sum out (its `count` is 0, e.g. its gradients were not finite): it sends zeros, or an
@@ -27,13 +31,14 @@ from typing import Any
 
 import torch
 
-from fast.codecs import Codec, ErrorFeedback, PowerSGD, build_codec
+from fast.codecs import DGC, Codec, ErrorFeedback, PowerSGD, RandomK, Threshold, TopK, build_codec
 from fast.codecs.frame import CHECKSUM_BYTES, header_size
 from fast.codecs.powersgd import matrix_shape
 from fast.comm.comm import Comm, Handle
 from fast.errors import FrameError
 
 FP32_BYTES = 4
+SPARSIFIERS = (TopK, RandomK, Threshold, DGC)  # they select elements over a whole flat tensor
 NDIM_OFFSET = 7  # a frame's ndim byte; its header ends with the body's length (uint64), see fast.codecs.frame
 
 
@@ -107,9 +112,9 @@ class CompressedAllReduce:
         """Begin replacing `tensor` by the sum over the group of what each worker's codec made of its own.
 
         `key` names the tensor for the codec's state (use the same key for the same tensor every time).
-        `shapes` splits a flat `tensor` into the tensors it packs (PowerSGD compresses each matrix on its
-        own; other codecs encode the flat tensor whole). `count` is a one-element tensor, 1 if this worker
-        contributes and 0 if it sits out; it is replaced by the number of workers that contributed.
+        `shapes` splits a flat `tensor` into the tensors it packs (see the module docstring). `count` is a
+        one-element tensor, 1 if this worker contributes and 0 if it sits out; it is replaced by the number
+        of workers that contributed.
         """
         contributes = count is None or float(count.reshape(-1)[0]) > 0
         if self.codec.summable:
@@ -180,13 +185,9 @@ class CompressedAllReduce:
         count: torch.Tensor | None,
         contributes: bool,
     ) -> int:
-        """Other codecs: all-gather every worker's frames (none from one that sits out), decode, add in order.
-
-        Each tensor of `shapes` is a frame of its own, so that a codec's scale (sign), share (top-k) or norms
-        (qsgd) are per tensor; a worker's frames travel as one payload.
-        """
+        """Other codecs: all-gather every worker's frames (none from one that sits out), decode, add in order."""
         flat = tensor.reshape(-1)
-        shapes, _ = _parts(tensor, shapes)
+        shapes = frame_shapes(self.codec, tensor, shapes)
         payload, mine = torch.empty(0, dtype=torch.uint8), None
         if contributes:
             payload, mine = encode_parts(self.codec, flat, key, shapes)
@@ -274,6 +275,14 @@ def _parts(tensor: torch.Tensor, shapes: Sequence[Sequence[int]] | None) -> tupl
     return shapes, sizes
 
 
+def frame_shapes(codec: Codec, tensor: torch.Tensor, shapes: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
+    """The shapes of the frames `tensor` is encoded in: one per tensor of `shapes`, or the flat tensor whole
+    for sparsifiers (and when `shapes` is not given)."""
+    if isinstance(base_codec(codec), SPARSIFIERS):
+        return [(tensor.numel(),)] if shapes is not None else [tuple(tensor.shape)]
+    return _parts(tensor, shapes)[0]
+
+
 def split_frames(payload: torch.Tensor, count: int) -> list[torch.Tensor]:
     """The `count` frames laid end to end in `payload`, each cut at the length its header gives (the frames
     are checked when decoded); FrameError if the payload does not hold exactly that many."""
@@ -353,7 +362,7 @@ def exchange_compressed(
     Returns what the receivers decode of this worker's tensor and {rank: decoded tensor}.
     """
     flat = tensor.reshape(-1)
-    shapes, _ = _parts(tensor, shapes)
+    shapes = frame_shapes(codec, tensor, shapes)
     size = sum(codec.encoded_size(shape, tensor.dtype) for shape in shapes)
     payload, sent = encode_parts(codec, flat, key, shapes)
     payload = payload.to(comm.device)

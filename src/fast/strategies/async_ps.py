@@ -46,7 +46,7 @@ from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
 
 PUSH, PULL, DONE = 1, 2, 3
-HEADER_TAG, PAYLOAD_TAG, FINAL_TAG = 11, 12, 13
+HEADER_TAG, PAYLOAD_TAG, FINAL_TAG, PROBE_TAG = 11, 12, 13, 14
 
 
 class AsyncPSOptions(StrategyOptions):
@@ -228,10 +228,12 @@ class AsyncPS(Strategy):
         self.gradient = torch.empty_like(self.shard)
         done: set[int] = set()
         self.heard = dict.fromkeys(range(self.ctx.workers), time.monotonic())
+        self.probed = dict.fromkeys(range(self.ctx.workers), time.monotonic())
+        self.probes: list[Handle] = []  # never received (nobody listens on PROBE_TAG), kept till the end
         while len(done | self.dead) < self.ctx.workers:
-            worker = self.world.recv_from(header, tag=HEADER_TAG, give_up=lambda: self._forget_the_silent(done))
-            if worker is None:  # the workers not done are all taken for dead
-                break
+            if self._probe(done):
+                break  # the workers not done are all dead
+            worker = self.world.recv_from(header, tag=HEADER_TAG)
             if worker in self.dead:  # only slow, not dead: take it back
                 self.dead.discard(worker)
                 self.failures = [f for f in self.failures if f["worker"] != worker]
@@ -239,6 +241,7 @@ class AsyncPS(Strategy):
             kind, pull = (int(v) for v in header)
             if kind == DONE:
                 done.add(worker)
+                self.probed = dict.fromkeys(self.probed, 0.0)  # the others are probed again before waiting
             else:
                 try:
                     self._answer(worker, kind, pull)
@@ -267,12 +270,25 @@ class AsyncPS(Strategy):
         """The last of a worker's steps whose gradient this server has applied."""
         return self.updates_from[worker] * self.options.push_every
 
-    def _forget_the_silent(self, done: set[int]) -> bool:
-        """Take for dead the workers not done that were silent past the deadline; True when none is left."""
+    def _probe(self, done: set[int]) -> bool:
+        """Find dead workers without waiting: a send to a process that is gone fails at once (its connection
+        is closed), while one to a live worker stays pending, unread. Probe each worker not done after
+        another worker said DONE, and any worker silent past the deadline at most once per deadline (so few
+        probes pile up). A receive cannot be used: gloo is unusable after a missed deadline. Returns True
+        when every worker is done or dead."""
         now, deadline = time.monotonic(), self.world.deadline_s
-        for worker, heard in self.heard.items():
-            if worker not in done and worker not in self.dead and now - heard > deadline:
-                self.lost(worker, self._last_step(worker), f"silent for {deadline:g}s (run.deadline_s)")
+        for worker in range(self.ctx.workers):
+            silent = now - self.heard[worker] > deadline and now - self.probed[worker] > deadline
+            if worker in done or worker in self.dead or not (self.probed[worker] == 0.0 or silent):
+                continue
+            self.probed[worker] = now
+            try:
+                with self.world.unmetered():
+                    self.probes.append(self.world.isend(torch.zeros(1), worker, tag=PROBE_TAG))
+            except CommError as e:
+                self.lost(
+                    worker, self._last_step(worker), f"probed after {now - self.heard[worker]:.1f}s of silence: {e}"
+                )
         return len(done | self.dead) == self.ctx.workers
 
     def apply(self, worker: int, gradient: torch.Tensor) -> None:

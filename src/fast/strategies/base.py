@@ -127,7 +127,8 @@ class Strategy:
         return {}
 
     def lost(self, peer: int, step: int | None, how: str) -> None:
-        """Record that global rank `peer` was found dead at this process's `step`, and how it was noticed."""
+        """Record that global rank `peer` was found dead, and how; `step` is this process's step when it
+        noticed (a server gives the dead worker's last step it applied). Goes to summary.json `failures`."""
         if peer in self.dead:
             return
         self.dead.add(peer)

@@ -8,7 +8,10 @@ leaders, then broadcast inside each group (paper 004 Sec. 3, Sync Solver).
 
 With a `[codec]`, each bucket is summed through it instead (`fast.comm.compressed`: an all-reduce in the
 wire dtype for fp16/bf16, two all-reduces for PowerSGD, an all-gather of frames for the others), with the
-codec's error feedback kept per bucket, still overlapped with backward.
+codec's error feedback kept per bucket, still overlapped with backward. Then, with `momentum_correction`
+(the default), SGD's momentum and weight decay move from the optimizer to each worker, before compression
+(DGC's momentum correction, Lin et al. 2018 Sec. 3.2): the optimizer's own momentum and weight decay are set
+to 0 and it steps with the mean of the workers' velocities; see `MomentumCorrection`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from fast.strategies.base import Strategy, StrategyOptions
 class SyncOptions(StrategyOptions):
     bucket_mb: float = Field(1.0, gt=0, description="size of a gradient bucket in MB (fp32)")
     hierarchical: int = Field(0, ge=0, description="group size G for hierarchical all-reduce; 0 = flat")
+    momentum_correction: bool = Field(
+        True, description="with a codec, apply SGD's momentum on each worker before compression"
+    )
 
 
 class Bucket:
@@ -71,6 +77,50 @@ class Bucket:
             p.grad = view
 
 
+class MomentumCorrection:
+    """SGD's momentum and weight decay applied by each worker to its own gradient, before compression.
+
+    A worker sends d + β u (Nesterov) or u, where d = g + λ w and u = β u + d is its own velocity, and the
+    optimizer, its momentum and weight decay set to 0, steps with the mean of what arrived. Momentum is
+    linear, so without compression this is the same SGD (torch's, first step included). With a lossy codec,
+    error feedback then keeps what was not sent of the velocity, where the optimizer's momentum would
+    otherwise amplify the codec's error (Lin et al. 2018; Zheng et al. 2019). Optimizers other than SGD
+    keep their own state and get the compressed gradients.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.settings: dict[nn.Parameter, tuple[float, float, bool]] = {}  # momentum, weight decay, nesterov
+        self.velocity: dict[nn.Parameter, torch.Tensor] = {}
+        if not isinstance(optimizer, torch.optim.SGD):
+            return
+        for group in optimizer.param_groups:
+            if group["dampening"] or group.get("maximize"):
+                continue  # not the plain momentum this mirrors: left to the optimizer
+            for p in group["params"]:
+                self.settings[p] = (group["momentum"], group["weight_decay"], group["nesterov"])
+            group.update(momentum=0.0, weight_decay=0.0, nesterov=False)
+
+    def apply(self, params: list[nn.Parameter], gradients: list[torch.Tensor]) -> None:
+        """Turn each parameter's gradient (in place) into what its worker sends."""
+        for p, gradient in zip(params, gradients, strict=True):
+            if p not in self.settings:
+                continue
+            momentum, weight_decay, nesterov = self.settings[p]
+            if weight_decay:
+                gradient.add_(p.detach(), alpha=weight_decay)
+            if not momentum:
+                continue
+            velocity = self.velocity.get(p)
+            if velocity is None:
+                velocity = self.velocity[p] = gradient.clone()
+            else:
+                velocity.mul_(momentum).add_(gradient)
+            if nesterov:
+                gradient.add_(velocity, alpha=momentum)
+            else:
+                gradient.copy_(velocity)
+
+
 class Sync(Strategy):
     name = "sync"
     Options = SyncOptions
@@ -109,10 +159,13 @@ class Sync(Strategy):
         self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad])
         codec = self.ctx.config.codec
         self.compressed: CompressedAllReduce | None = None
+        self.momentum: MomentumCorrection | None = None
         if codec.name != "none":
             self.compressed = CompressedAllReduce(
                 self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank), background=True
             )
+            if self.options.momentum_correction:
+                self.momentum = MomentumCorrection(optimizer)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
@@ -143,9 +196,11 @@ class Sync(Strategy):
     def _launch(self, bucket: Bucket) -> None:
         bucket.fill()
         if self.compressed is not None:  # the count of contributing workers travels alongside, uncompressed
+            if self.momentum is not None and float(bucket.count) > 0:
+                self.momentum.apply(bucket.params, bucket.views)
             shapes = [p.shape for p in bucket.params]
             key = f"bucket{self.buckets.index(bucket)}"
-            bucket.handle = self.compressed.start(bucket.buffer[:-1], key, shapes=shapes, count=bucket.buffer[-1:])
+            bucket.handle = self.compressed.start(bucket.grads, key, shapes=shapes, count=bucket.count)
             return
         first_hop = self.group or self.comm
         bucket.handle = first_hop.all_reduce(bucket.buffer, async_op=True)
@@ -168,8 +223,17 @@ class Sync(Strategy):
             self.compressed.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.compressed.state_dict()} if self.compressed is not None else {}
+        if self.compressed is None:
+            return {}
+        state: dict[str, Any] = {"codec": self.compressed.state_dict()}
+        if self.momentum is not None:
+            index = {p: i for i, p in enumerate(self.model.parameters())}
+            state["velocity"] = {index[p]: v.clone() for p, v in self.momentum.velocity.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.compressed is not None and "codec" in state:
             self.compressed.load_state_dict(state["codec"])
+        if self.momentum is not None and "velocity" in state:
+            params = list(self.model.parameters())
+            self.momentum.velocity = {params[i]: v.clone() for i, v in state["velocity"].items()}
