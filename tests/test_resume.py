@@ -51,5 +51,5 @@ def test_a_killed_sync_worker_is_restarted_by_the_elastic_agent_and_the_run_comp
 def test_restarts_used_up_end_with_a_clear_error(tmp_path, monkeypatch, no_orphans):
     monkeypatch.setenv("CRASH_AT", "3")  # before the first checkpoint, in every life
     monkeypatch.setenv("CRASH_EVERY_LIFE", "1")
-    with pytest.raises(WorkerFailed, match=r"worker 1 failed and 1 restart\(s\) are used up: exited with code 9"):
+    with pytest.raises(WorkerFailed, match=r"worker \d failed and 1 restart\(s\) are used up: "):
         fast.train(None, out=str(tmp_path), step_fn=_crash_once, run__max_restarts=1, **{**JOB, "run__epochs": 1})

@@ -43,6 +43,7 @@ def _die_with_parent() -> None:
 
 def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, results: Any) -> None:
     _die_with_parent()
+    os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
     try:
@@ -57,6 +58,14 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
                 traceback.print_exc()
         results.put((rank, "comm-error" if isinstance(e, CommError) else "error", message))
         raise SystemExit(1) from None
+
+
+def _context() -> Any:
+    """Processes forked from a server that has imported torch once: starting a worker costs milliseconds, not
+    the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["fast.worker", "torch._dynamo"])
+    return ctx
 
 
 def launch(
@@ -74,7 +83,7 @@ def launch(
 
     With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
     others are not stopped; rank 0 (which writes the outputs) must end well."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.SimpleQueue()
     store_dir = tempfile.mkdtemp(prefix="fast-store-")
     local = addr.startswith("127.") or addr == "localhost"
@@ -94,7 +103,8 @@ def launch(
             "FAST_STORE_FILE": os.path.join(store_dir, "store") if local else "",
             **(extra_env or {}),
         }
-        env = {k: v for k, v in env.items() if v}
+        # the whole environment travels: a forked worker would otherwise see the fork server's, not ours
+        env = {**os.environ, **{k: v for k, v in env.items() if v}}
         proc = ctx.Process(target=_child, args=(fn, rank, env, args, results), name=f"fast-worker-{rank}")
         proc.start()
         procs.append(proc)
@@ -135,10 +145,16 @@ def launch(
     return outputs
 
 
+AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @record
-def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple) -> bytes:
+def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[str, str]) -> bytes:
     _die_with_parent()
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()  # the launcher's environment, not the fork server's, plus what the agent set
+    os.environ.update({**env, **agent, "OMP_NUM_THREADS": str(threads)})
     return pickle.dumps(fn(*args))
 
 
@@ -151,16 +167,21 @@ def launch_elastic(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, add
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"fast-{port}",
                           rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", max_restarts=max_restarts,
-                          monitor_interval=0.2, start_method="spawn", local_addr=addr)
+                          monitor_interval=0.2, start_method="forkserver", local_addr=addr)
+    _context()  # the agent's workers come from the same preloaded fork server
     try:
-        outputs = elastic_launch(config, _elastic_child)(fn, threads, args)
+        outputs = elastic_launch(config, _elastic_child)(fn, threads, args, dict(os.environ))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        data = failure.error_file_data or {}
-        text = str(data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else "")
-        code = failure.exitcode
-        reason = text.strip().splitlines()[0] if text.strip() else (
-            f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        causes = []
+        for rank, failure in e.failures.items():
+            data = failure.error_file_data or {}
+            message = data.get("message")
+            text = str(message.get("message", "") if isinstance(message, dict) else message or "").strip()
+            code = failure.exitcode
+            reason = text.splitlines()[0] if text else (
+                f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+            causes.append((reason.startswith(("CommError", "CommTimeout")), rank, reason))
+        _, rank, reason = min(causes)  # a worker's own death or error explains its peers' lost connections
         raise WorkerFailed(f"worker {rank} failed and {max_restarts} restart(s) are used up: {reason}") from None
     return {rank: pickle.loads(value) for rank, value in outputs.items()}
 

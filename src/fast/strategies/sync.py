@@ -8,10 +8,11 @@ leaders, then broadcast inside each group (paper 004 Sec. 3, Sync Solver).
 
 With a `[codec]`, each bucket is summed through it instead (`fast.comm.compressed`: an all-reduce in the
 wire dtype for fp16/bf16, two all-reduces for PowerSGD, an all-gather of frames for the others), with the
-codec's error feedback kept per bucket, still overlapped with backward. Then, with `momentum_correction`
-(the default), SGD's momentum and weight decay move from the optimizer to each worker, before compression
-(DGC's momentum correction, Lin et al. 2018 Sec. 3.2): the optimizer's own momentum and weight decay are set
-to 0 and it steps with the mean of the workers' velocities; see `MomentumCorrection`.
+codec's error feedback kept per bucket, still overlapped with backward. With `momentum_correction` (by
+default for every codec but PowerSGD, whose paper applies momentum after the sum), SGD's momentum and weight
+decay move from the optimizer to each worker, before compression (DGC's momentum correction, Lin et al. 2018
+Sec. 3.2): the optimizer's own momentum and weight decay are set to 0 and it steps with the mean of the
+workers' velocities; see `MomentumCorrection`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from fast.strategies.base import Strategy, StrategyOptions
 class SyncOptions(StrategyOptions):
     bucket_mb: float = Field(1.0, gt=0, description="size of a gradient bucket in MB (fp32)")
     hierarchical: int = Field(0, ge=0, description="group size G for hierarchical all-reduce; 0 = flat")
-    momentum_correction: bool = Field(
-        True, description="with a codec, apply SGD's momentum on each worker before compression"
+    momentum_correction: bool | None = Field(
+        None,
+        description="with a codec, SGD's momentum on each worker before compression; None: all but powersgd",
     )
 
 
@@ -164,7 +166,8 @@ class Sync(Strategy):
             self.compressed = CompressedAllReduce(
                 self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank), background=True
             )
-            if self.options.momentum_correction:
+            correct = self.options.momentum_correction
+            if correct or (correct is None and codec.name != "powersgd"):
                 self.momentum = MomentumCorrection(optimizer)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for p in self.bucket_of:
