@@ -14,8 +14,8 @@ def _first_line(obj: object) -> str:
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
-def strategy_rows() -> list[tuple[str, str, str]]:
-    """(name, what it is, its keys with defaults) for every registered strategy."""
+def strategy_rows() -> list[tuple[str, str, str, str]]:
+    """(name, what it is, its keys with defaults, the codecs it can use) for every registered strategy."""
     rows = []
     common = set(StrategyOptions.model_fields)
     for name, cls in sorted(registry().items()):
@@ -28,7 +28,8 @@ def strategy_rows() -> list[tuple[str, str, str]]:
             keys.append(f"{text}: {field.description}" if field.description else text)
         what = _first_line(inspect.getmodule(cls)).split(":", 1)[-1].strip() if name != "none" else (
             "no communication at all: every worker trains alone (the upper bound of speed)")
-        rows.append((name, what, "; ".join(keys) or "—"))
+        codecs = "all" if set(cls.codecs) == set(CODECS) else ", ".join(cls.codecs)
+        rows.append((name, what, "; ".join(keys) or "—", codecs))
     return rows
 
 
@@ -48,8 +49,8 @@ def codec_rows() -> list[tuple[str, str]]:
 
 
 def markdown() -> str:
-    lines = ["| strategy | what it does | keys (default) |", "|---|---|---|"]
-    lines += [f"| `{n}` | {w} | {k} |" for n, w, k in strategy_rows()]
+    lines = ["| strategy | what it does | keys (default) | codecs |", "|---|---|---|---|"]
+    lines += [f"| `{n}` | {w} | {k} | {c} |" for n, w, k, c in strategy_rows()]
     lines += ["", "| codec | keys |", "|---|---|"]
     lines += [f"| `{n}` | {k} |" for n, k in codec_rows()]
     return "\n".join(lines)

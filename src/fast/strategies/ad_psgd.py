@@ -26,8 +26,8 @@ from torch import nn
 
 from fast.config import Config
 from fast.strategies.base import Strategy
+from fast.strategies.flat import FlatState
 from fast.strategies.gossip import (
-    FlatState,
     Listener,
     PeerOptions,
     RandomPeers,
@@ -54,7 +54,7 @@ class ADPSGD(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
-        self.state = FlatState(model)
+        self.state = FlatState.of_replica(model)
         self.peers = RandomPeers(self.options, self.ctx)
         self.channel = self.comm.channel()
         self.lock = threading.Lock()  # guards the replica and `pending` between the two threads

@@ -32,7 +32,8 @@ from torch import nn
 
 from fast.errors import CommError
 from fast.strategies.base import Strategy, StrategyOptions
-from fast.strategies.gossip import FlatState, Listener, post_message, send_done
+from fast.strategies.flat import FlatState
+from fast.strategies.gossip import Listener, post_message, send_done
 
 
 class AsyncBroadcastOptions(StrategyOptions):
@@ -57,7 +58,7 @@ class AsyncBroadcast(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
-        self.state = FlatState(model)
+        self.state = FlatState.of_replica(model)
         self.others = [rank for rank in self.comm.ranks if rank != self.comm.rank]
         self.applied = torch.zeros(self.comm.size, dtype=torch.int64)  # this replica's vector clock
         self.sent = 0

@@ -24,7 +24,7 @@ from torch import nn
 from fast.codecs import CODECS
 from fast.comm.compressed import CompressedAllReduce, worker_codec
 from fast.strategies.base import Strategy, StrategyOptions
-from fast.strategies.local_sgd import FlatState
+from fast.strategies.flat import FlatState
 
 
 class DiLoCoOptions(StrategyOptions):

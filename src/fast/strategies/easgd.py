@@ -34,7 +34,7 @@ from torch import nn
 from fast.config import Config
 from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
-from fast.strategies.local_sgd import FlatState
+from fast.strategies.flat import FlatState
 
 # what a worker's one-element header tells the master
 INIT, EXCHANGE, DONE = 0, 1, 2

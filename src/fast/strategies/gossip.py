@@ -53,6 +53,7 @@ from fast.comm.compressed import ChocoGossip, worker_codec
 from fast.config import Config
 from fast.errors import CommError, CommTimeout, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
+from fast.strategies.flat import FlatState
 from fast.topology import PeerSchedule, Topology, parse_schedule, parse_topology
 
 Schedule = Literal["exponential-one-peer", "random-matchings"]
@@ -113,28 +114,6 @@ def check_peer_options(options: PeerOptions, config: Config) -> None:
                 f"`strategy.{key}` and `strategy.schedule` are both set: the schedule chooses the peers of "
                 "every round, so remove one of them"
             )
-
-
-class FlatState:
-    """The replica's floating-point tensors (parameters, then floating buffers) seen as one flat vector."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.tensors = [p.data for p in model.parameters()]
-        self.tensors += [b for b in model.buffers() if b.is_floating_point()]
-        self.sizes = [t.numel() for t in self.tensors]
-        self.numel = sum(self.sizes)
-
-    def read(self) -> torch.Tensor:
-        """A copy of the replica's values."""
-        return torch.cat([t.reshape(-1) for t in self.tensors])
-
-    def write(self, flat: torch.Tensor) -> None:
-        for tensor, chunk in zip(self.tensors, flat.split(self.sizes), strict=True):
-            tensor.copy_(chunk.view_as(tensor))
-
-    def add(self, delta: torch.Tensor) -> None:
-        for tensor, chunk in zip(self.tensors, delta.split(self.sizes), strict=True):
-            tensor.add_(chunk.view_as(tensor).to(tensor.device))
 
 
 class RandomPeers:
@@ -372,7 +351,7 @@ class Gossip(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
-        self.state = FlatState(model)
+        self.state = FlatState.of_replica(model)
         self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
         self.exchanges = self.steps = 0
         self.newly_dead: set[int] = set()  # topology indices found dead in the current round

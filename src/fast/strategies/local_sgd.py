@@ -21,38 +21,7 @@ from torch import nn
 from fast.codecs import CODECS
 from fast.comm.compressed import CompressedAllReduce, worker_codec
 from fast.strategies.base import Strategy, StrategyOptions
-
-
-class FlatState:
-    """Some of a model's tensors (shared with it, not copied) read and written as one flat vector."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-        self.sizes = [t.numel() for t in tensors]
-        self.numel = sum(self.sizes)
-
-    @classmethod
-    def of_model(cls, model: nn.Module) -> FlatState:
-        """Parameters and floating-point buffers (e.g. BatchNorm statistics): everything averaging moves."""
-        return cls([t for t in model.state_dict().values() if t.is_floating_point()])
-
-    @classmethod
-    def of_parameters(cls, model: nn.Module) -> FlatState:
-        return cls([p.detach() for p in model.parameters()])
-
-    @classmethod
-    def of_buffers(cls, model: nn.Module) -> FlatState:
-        return cls([b for b in model.buffers() if b.is_floating_point()])
-
-    def read(self) -> torch.Tensor:
-        if not self.tensors:
-            return torch.zeros(0)
-        return torch.cat([t.detach().reshape(-1) for t in self.tensors])
-
-    @torch.no_grad()
-    def write(self, flat: torch.Tensor) -> None:
-        for tensor, chunk in zip(self.tensors, flat.split(self.sizes), strict=True):
-            tensor.copy_(chunk.view_as(tensor))
+from fast.strategies.flat import FlatState
 
 
 def flat_gradients(params: list[nn.Parameter]) -> torch.Tensor:

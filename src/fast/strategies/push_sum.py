@@ -29,8 +29,8 @@ from torch import nn
 from fast.config import Config
 from fast.errors import CommError
 from fast.strategies.base import Strategy
+from fast.strategies.flat import FlatState
 from fast.strategies.gossip import (
-    FlatState,
     Listener,
     PeerOptions,
     RandomPeers,
@@ -56,7 +56,7 @@ class PushSum(Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
-        self.state = FlatState(model)
+        self.state = FlatState.of_replica(model)
         self.peers = RandomPeers(self.options, self.ctx)
         self.alpha = 1.0 / self.comm.size
         self.sent = dict.fromkeys(self.peers.targets_ever, 0)
