@@ -22,6 +22,7 @@ Targets: sync/ddp >= 1.0 and sync/none >= 0.9.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -63,30 +64,37 @@ def ddp_worker(model_name: str, data_name: str, workers: int, steps: int, thread
     torch.set_num_threads(threads)
     engine.start(rank, workers, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), torch.device("cpu"), 60.0)
     try:
-        data = load_dataset(data_name, seed=SEED)
-        shards = partition(data.y_train, workers, "iid", seed=SEED)
-        per_epoch = steps_per_epoch(shards, BATCH)
-        x, y = data.x_train[shards[rank]], data.y_train[shards[rank]]
-        torch.manual_seed(SEED)
-        model = DistributedDataParallel(build_model(model_name, data.input_shape, data.num_classes))
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        order, order_epoch = None, -1
-        for step in range(steps):
-            epoch, i = divmod(step, per_epoch)
-            if epoch != order_epoch:  # the worker's data order: a permutation per (seed, epoch, rank)
-                g = torch.Generator().manual_seed(SEED * 1_000_003 + epoch * 7919 + rank)
-                order, order_epoch = torch.randperm(len(x), generator=g), epoch
-            idx = order[i * BATCH : (i + 1) * BATCH]
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            optimizer.step()
-            float(loss.detach())  # FAST's worker reads the loss every step too
-        return time.perf_counter() - start
+        return ddp_steps(model_name, data_name, workers, steps, rank)
     finally:
+        # DDP's reducer is gone by now: had it held the last reference to the process group, freeing it (with
+        # the GIL held) would join gloo threads that wait for the GIL, and the process would never exit
+        gc.collect()
         engine.stop()
+
+
+def ddp_steps(model_name: str, data_name: str, workers: int, steps: int, rank: int) -> float:
+    data = load_dataset(data_name, seed=SEED)
+    shards = partition(data.y_train, workers, "iid", seed=SEED)
+    per_epoch = steps_per_epoch(shards, BATCH)
+    x, y = data.x_train[shards[rank]], data.y_train[shards[rank]]
+    torch.manual_seed(SEED)
+    model = DistributedDataParallel(build_model(model_name, data.input_shape, data.num_classes))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    order, order_epoch = None, -1
+    for step in range(steps):
+        epoch, i = divmod(step, per_epoch)
+        if epoch != order_epoch:  # the worker's data order: a permutation per (seed, epoch, rank)
+            g = torch.Generator().manual_seed(SEED * 1_000_003 + epoch * 7919 + rank)
+            order, order_epoch = torch.randperm(len(x), generator=g), epoch
+        idx = order[i * BATCH : (i + 1) * BATCH]
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        float(loss.detach())  # FAST's worker reads the loss every step too
+    return time.perf_counter() - start
 
 
 def samples_per_s(side: str, model_name: str, data_name: str, workers: int, steps: int, out: Path) -> float:
@@ -167,7 +175,7 @@ def print_table(rows: list[dict]) -> bool:
     print(
         f"targets (sync/ddp >= {TARGET_VS_DDP}, sync/none >= {TARGET_VS_NONE}) {verdict} "
         f"in {sum(1 for r in rows if r['sync_vs_ddp'] >= TARGET_VS_DDP and r['sync_vs_none'] >= TARGET_VS_NONE)}"
-        f" of {len(rows)} configurations (ratios of medians over rounds)"
+        f" of {len(rows)} configurations (ratios of medians over rounds); load average now {os.getloadavg()[0]:.1f}"
     )
     return met
 
