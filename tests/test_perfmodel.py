@@ -150,17 +150,20 @@ def cost(strategy: str, compute_s: float = 0.5, workers: int = N, **options) -> 
         ("sync", {"overlap": 1.0}, StepCost(0.72, 0.5, 0.72, 1.5e6)),
         ("sync", {"hierarchical": 2, "inner_link": LAN}, StepCost(0.5 + 0.458, 0.5, 0.458, 1.5e6)),
         ("ssp", {}, StepCost(0.72, 0.5, 0.72, 1.5e6)),
-        # One server: each phase is 4 messages of n through its link, a push and a pull per step.
-        ("async-ps", {}, StepCost(3.36, 0.5, 2 * 4 * 0.42, 2e6)),
-        ("async-ps", {"servers": 2}, StepCost(1.76, 0.5, 2 * 4 * (0.02 + 0.2), 2e6)),
-        ("async-ps", {"push_every": 2, "pull_every": 4}, StepCost(1.26, 0.5, 0.75 * 4 * 0.42, 0.75e6)),
-        # Pull the center and push the elastic difference every 4 steps, 4 workers on one master.
-        ("easgd", {"tau": 4}, StepCost(0.84, 0.5, 2 * 4 * 0.42 / 4, 2e6 / 4)),
+        # One server: a worker's push then pull (2 x 0.42 s) against the server's busier direction, 4 shards of
+        # n in (pushes) or out (pulls) at 0.4 s each, the two directions overlapping (full duplex).
+        ("async-ps", {}, StepCost(1.6, 0.5, 1.6, 2e6)),
+        ("async-ps", {"servers": 2}, StepCost(0.5 + 0.84, 0.5, 0.84, 2e6)),
+        ("async-ps", {"push_every": 2, "pull_every": 4}, StepCost(0.5 + 0.315, 0.5, 0.8, 0.75e6)),
+        # Every 4 steps, send the weights to the master and get the center back, 4 workers on one master.
+        ("easgd", {"tau": 4, "variant": "async"}, StepCost(0.5 + 0.21, 0.5, 0.4, 2e6 / 4)),
+        # Synchronous EASGD: one ring all-reduce (0.72 s) every 4 steps.
+        ("easgd", {"tau": 4}, StepCost(0.5 + 0.18, 0.5, 0.18, 1.5e6 / 4)),
         # Groups of 2 ring-all-reduce over the LAN (2 × 4 ms + 2 × 1 ms); 2 leaders meet the master.
         (
             "ea-wild",
             {"tau": 4, "group_size": 2, "inner_link": LAN},
-            StepCost(0.5 + 0.01, 0.5, 0.01 + 2 * 2 * 0.42 / 4, (2 * 2e6 + 2 * 2e6 / 4) / 4),
+            StepCost(0.5 + 0.01, 0.5, 0.01 + 2 * 0.42 / 4, (2 * 2e6 + 2 * 2e6 / 4) / 4),
         ),
         ("local-sgd", {"period": 4}, StepCost(0.5 + 0.18, 0.5, 0.18, 1.5e6 / 4)),
         ("diloco", {"period": 4}, StepCost(0.5 + 0.18, 0.5, 0.18, 1.5e6 / 4)),
@@ -186,6 +189,7 @@ def test_step_cost_matches_hand_computed_numbers(strategy, options, expected):
 def test_every_strategy_with_a_cost_model_lists_its_options():
     required = {
         "easgd": {"tau": 2},
+        "eamsgd": {"tau": 2, "variant": "async"},
         "ea-wild": {"tau": 2},
         "local-sgd": {"period": 2},
         "diloco": {"period": 2},

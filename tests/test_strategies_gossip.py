@@ -182,6 +182,17 @@ def test_gossip_with_partial_communication_trains_digits(tmp_path, no_orphans):
     assert summary["topology"] == "torus:2x2" and summary["bytes_sent"] > 0
 
 
+def test_gossip_on_a_lossy_link_keeps_the_lost_shares_and_still_trains_digits(tmp_path, no_orphans):
+    lossy = {"network__bandwidth": "1Gbit", "network__latency": "1ms", "network__loss": 0.2}
+    summary = fast.train(
+        {**DIGITS}, out=tmp_path, strategy__name="gossip", strategy__topology="ring", run__epochs=2, **lossy
+    )
+    heard = 2 * summary["steps_per_worker"]  # rank 0 (whose figures these are) hears both ring neighbours
+    assert 0.1 * heard < summary["lost_messages"] < 0.3 * heard
+    assert summary["mean_peers_per_step"] == pytest.approx(2 * 0.8, abs=0.15)
+    assert summary["final_test_accuracy"] >= 0.85
+
+
 def test_ad_psgd_trains_digits_and_records_its_staleness(tmp_path, no_orphans):
     summary = train(tmp_path, "ad-psgd", workers=3, send_probability=0.8)
     assert summary["final_test_accuracy"] >= 0.9

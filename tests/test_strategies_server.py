@@ -160,6 +160,32 @@ def test_async_ps_run_sends_exact_bytes_records_staleness_and_exits(tmp_path, no
     assert summary["final_test_accuracy"] > 0.5
 
 
+def test_async_ps_on_a_lossy_link_skips_lost_pushes_keeps_its_weights_on_lost_pulls_and_still_learns(
+    tmp_path, no_orphans
+):
+    """A lost push is an update the server skips, a lost pull leaves the replica as it was: neither is a death."""
+    job = {
+        "data__name": "digits",
+        "model__name": "mlp",
+        "run__workers": 2,
+        "run__epochs": 3,
+        "run__batch_size": 16,
+        "strategy__name": "async-ps",
+        "strategy__servers": 1,
+        "network__bandwidth": "1Gbit",
+        "network__latency": "1ms",
+    }
+    clean = fast.train(None, out=tmp_path / "clean", **job, network__loss=0.0)
+    lossy = fast.train(None, out=tmp_path / "lossy", **job, network__loss=0.2)
+    messages = 2 * lossy["steps_per_worker"]  # each worker pushes and pulls every step
+    assert clean["lost_pushes"] == clean["lost_pulls"] == 0 and clean["server_updates"] == messages
+    assert lossy["failures"] == []
+    assert lossy["pushes"] == lossy["pulls"] == messages
+    assert 0.1 < lossy["lost_pushes"] / messages < 0.3 and 0.1 < lossy["lost_pulls"] / messages < 0.3
+    assert lossy["server_updates"] == messages - lossy["lost_pushes"]
+    assert lossy["final_test_accuracy"] > max(0.85, clean["final_test_accuracy"] - 0.08)
+
+
 # -- ea-wild --------------------------------------------------------------------------------------------------
 def test_ea_wild_options_are_checked():
     with pytest.raises(ConfigError, match="group_size"):

@@ -27,4 +27,12 @@ def train(
     return _train(config, out=out, model_fn=model_fn, step_fn=step_fn, resume=resume, **overrides)
 
 
-__all__ = ["__version__", "train"]
+def compare(config: Any, out: str | None = None, **overrides: Any) -> Any:
+    """Run every `[[variant]]` of a config (TOML path or dict) into `out`/<variant> and write report.html there;
+    returns a `fast.compare.Comparison` (the report's path and how each variant ended). Overrides as in `train`."""
+    from fast.compare import compare as _compare
+
+    return _compare(config, out, **overrides)
+
+
+__all__ = ["__version__", "compare", "train"]

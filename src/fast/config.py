@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fast.deployment import ComputeConfig, FaultsConfig, NetworkConfig, check_deployment
 from fast.errors import ConfigError
+from fast.units import parse_duration
 
 
 class Section(BaseModel):
@@ -31,6 +32,9 @@ class RunConfig(Section):
     targets: list[float] = Field(default_factory=lambda: [0.80, 0.85])
     log_every: int = Field(20, ge=1, description="steps between metric records")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
+    max_time: str | float | None = Field(
+        None, description='stop training after this much training time, e.g. "5min" (evaluation off the clock)'
+    )
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
     max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
     deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
@@ -38,6 +42,22 @@ class RunConfig(Section):
     threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 = cores / workers")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+
+    @field_validator("max_time")
+    @classmethod
+    def _max_time(cls, value: str | float | None) -> str | float | None:
+        if value is not None:
+            try:
+                seconds = parse_duration(value)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+            if seconds <= 0:
+                raise ValueError("must be a positive duration such as \"5min\"; leave it out for no limit")
+        return value
+
+    @property
+    def max_time_s(self) -> float | None:
+        return parse_duration(self.max_time) if self.max_time is not None else None
 
     @field_validator("targets")
     @classmethod
@@ -120,7 +140,8 @@ def _describe(error: ValidationError) -> str:
     if kind == "literal_error":
         allowed = first.get("ctx", {}).get("expected", "")
         return f"`{key}` = {first['input']!r} is not valid: expected {allowed}"
-    return f"`{key}`: {first['msg']} (got {first.get('input')!r}); fix the value in the config or --set"
+    message = first["msg"].removeprefix("Value error, ")
+    return f"`{key}`: {message} (got {first.get('input')!r}); fix the value in the config or --set"
 
 
 def parse_value(text: str) -> Any:

@@ -5,7 +5,7 @@ resolved into the link table and per-process machine plans that `comm` emulates.
     bandwidth = "20Mbit"
     latency = "20ms"
     jitter = "0ms"                 # each message's latency varies uniformly within ± jitter
-    loss = 0.0                     # probability that a droppable message (gossip, async pushes) is lost
+    loss = 0.0                     # chance that a droppable message is lost (gossip family, async-ps data)
     sites = { a = [0, 1], b = [2, 3] }                 # named sites, by global rank
     wan = { bandwidth = "10Mbit", latency = "50ms" }  # links between sites (unset keys: as above)
     links = [ { a = 0, b = 3, bandwidth = "1Mbit" } ]  # per-link overrides, both directions

@@ -9,16 +9,19 @@ survive failures) only rank 0's failure stops the run: the others may die and th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -28,10 +31,17 @@ from fast.errors import CommError, FastError
 
 GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
 SETTLE_S = 3.0  # seconds the others get to report after a first failure
+LINGER_S = 1.0  # under the elastic agent, seconds a worker that lost a peer waits before it ends (see below)
 
 
 class WorkerFailed(FastError):
     """A worker process ended with an error; the run was stopped."""
+
+
+class Interrupted(WorkerFailed):
+    """Ctrl-C (or a termination signal) stopped the run and every worker; exit code 130, as a shell's."""
+
+    exit_code = 130
 
 
 def _die_with_parent() -> None:
@@ -136,7 +146,7 @@ def launch(
         shutil.rmtree(store_dir, ignore_errors=True)
     outputs.update(_drain(results))
     if interrupted:
-        raise WorkerFailed("interrupted (Ctrl-C): every worker was stopped")
+        raise Interrupted("interrupted (Ctrl-C): every worker was stopped")
     if survivable and not isinstance(outputs.get(0), _Error) and exited.get(0) == 0:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, _Error)}
     failure = _root_cause(outputs, exited)
@@ -155,13 +165,55 @@ def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
     os.environ.clear()  # the launcher's environment, not the fork server's, plus what the agent set
     os.environ.update({**env, **agent, "OMP_NUM_THREADS": str(threads)})
-    return pickle.dumps(fn(*args))
+    # Ctrl-C reaches every process of the terminal's group: a worker ends at once and quietly (no traceback);
+    # the agent stops the others and the launcher reports it in one line
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    restart = int(agent.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and agent.get("RANK") == "0":
+        print(
+            f"fast: a worker failed; restart {restart} of {agent.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
+            "every worker resumes from its last checkpoint",
+            file=sys.stderr,
+        )
+    try:
+        return pickle.dumps(fn(*args))
+    except CommError:
+        # a lost connection is most often a peer's death: the agent reports only the first process it finds
+        # ended, so linger for it to find the peer first (a real deadline is still reported, a second later)
+        time.sleep(LINGER_S)
+        raise
+
+
+AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the signals torch's agent takes over
+
+
+@contextlib.contextmanager
+def _under_agent() -> Iterator[None]:
+    """While torch's agent runs in this process: its logs quiet (it logs every failure with tracebacks on stderr;
+    FAST says it in one line; FAST_DEBUG=1 shows all), and afterwards the signal handlers it installed undone."""
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in AGENT_SIGNALS if hasattr(signal, name)}
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    names = [] if os.environ.get("FAST_DEBUG") else list(logging.Logger.manager.loggerDict)
+    loggers = [logging.getLogger(name) for name in names if name.startswith(prefixes)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        for name, handler in handlers.items():
+            if handler is not None:
+                with contextlib.suppress(ValueError):  # only the main thread sets handlers (as the agent)
+                    signal.signal(getattr(signal, name), handler)
 
 
 def launch_elastic(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, addr: str = "127.0.0.1", port: int,
                    threads: int = 1, max_restarts: int = 1) -> dict[int, Any]:
     """Like `launch`, under torch's elastic agent: if any worker fails, all are restarted (up to `max_restarts`
     times) with TORCHELASTIC_RESTART_COUNT set, so that they resume from their last checkpoint."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -170,13 +222,19 @@ def launch_elastic(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, add
                           monitor_interval=0.2, start_method="forkserver", local_addr=addr)
     _context()  # the agent's workers come from the same preloaded fork server
     try:
-        outputs = elastic_launch(config, _elastic_child)(fn, threads, args, dict(os.environ))
+        with _under_agent():
+            outputs = elastic_launch(config, _elastic_child)(fn, threads, args, dict(os.environ))
+    except (KeyboardInterrupt, SignalException) as e:  # the agent has stopped every worker
+        how = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else signal.Signals(e.sigval).name
+        how = "Ctrl-C" if how == "SIGINT" else how
+        raise Interrupted(f"interrupted ({how}): every worker was stopped") from None
     except ChildFailedError as e:
         causes = []
         for rank, failure in e.failures.items():
             data = failure.error_file_data or {}
             message = data.get("message")
             text = str(message.get("message", "") if isinstance(message, dict) else message or "").strip()
+            text = "" if text == "<NONE>" else text  # no error file: the process died without a word
             code = failure.exitcode
             reason = text.splitlines()[0] if text else (
                 f"killed by signal {-code}" if code < 0 else f"exited with code {code}")

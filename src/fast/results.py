@@ -152,6 +152,7 @@ def summarize(worker: Worker, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         "max_staleness": max(staleness) if staleness else None,
         "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
         "skipped_steps": sum(p["skipped_steps"] for p in everyone),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
         "replica_divergence": final.get("divergence"),
         "worker_test_accuracy": [p.get("own_test_accuracy") for p in trainers] if decentralised else None,
         "evaluations": evals,

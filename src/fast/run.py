@@ -11,7 +11,7 @@ from fast import engine
 from fast.config import Config, load_config
 from fast.data import load_dataset
 from fast.errors import ConfigError
-from fast.launch import launch, launch_elastic
+from fast.launch import Interrupted, launch, launch_elastic
 from fast.strategies import strategy_class
 from fast.worker import UserCode, server_count, worker_main
 
@@ -42,7 +42,7 @@ def prepare(
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume is None:  # a fresh run in a used folder starts clean
-        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/worker*.pt")]:
+        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
             stale.unlink()
     (run_dir / "config.toml").write_text(config.to_toml())
     return config, run_dir
@@ -73,12 +73,17 @@ def train(
     port = config.run.master_port or engine.free_port(addr)
     threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
     args = (config, run_dir, user, resume is not None)
-    if config.run.max_restarts:
-        outputs = launch_elastic(worker_main, nprocs, args, addr=addr, port=port, threads=threads,
-                                 max_restarts=config.run.max_restarts)
-    else:
-        survivable = strategy_class(config.strategy.name).survives_failures
-        outputs = launch(worker_main, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable)
+    try:
+        if config.run.max_restarts:
+            outputs = launch_elastic(worker_main, nprocs, args, addr=addr, port=port, threads=threads,
+                                     max_restarts=config.run.max_restarts)
+        else:
+            survivable = strategy_class(config.strategy.name).survives_failures
+            outputs = launch(worker_main, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable)
+    except Interrupted as e:
+        if any(run_dir.glob("checkpoints/*.pt")):
+            raise Interrupted(f"{e}; continue with: fast train --resume {run_dir}") from None
+        raise
     summary = outputs[0]
     summary["run_dir"] = str(run_dir)
     return summary

@@ -27,11 +27,13 @@ from fast.comm import Comm
 from fast.config import Config, OptimizerConfig
 from fast.data import Dataset, load_dataset, partition
 from fast.deployment import machine_for, network_for
-from fast.errors import FastError
+from fast.errors import CommError, FastError
 from fast.evaluate import evaluate
 from fast.models import build_model
 from fast.progress import Progress
 from fast.strategies import Strategy, StrategyContext, build_strategy, strategy_class, strategy_options
+
+AGREE_TAG = 7_002  # apart from every strategy's tags (and fast.survivors' END_TAG)
 
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
 StepFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -157,6 +159,7 @@ class Worker:
             generator=generator,
             steps_per_epoch=self.steps_per_epoch,
             validation=validation,
+            save_checkpoint=self._save_server_checkpoint if self.is_server else None,
         )
         self.strategy: Strategy = build_strategy(config, ctx)
         self.records: list[dict[str, Any]] = []
@@ -187,6 +190,8 @@ class Worker:
     def run(self) -> dict[str, Any] | None:
         if self.is_server:
             self.strategy.setup_server(self.model)
+            if self.resume:
+                self._restore()
             self.world.barrier()
             self.machine.start(self.world)
             self.strategy.serve(self.model)
@@ -228,6 +233,8 @@ class Worker:
                 loss_sum += float(loss.detach())
                 loss_count += 1
             done = step + 1
+            if done < self.total_steps and self._out_of_time(done):
+                self.total_steps = done  # the last step: recorded, then the run ends as if planned so
             if (done % log_every == 0 or done == self.total_steps) and loss_count:
                 self._record(done, loss_sum / loss_count)
                 loss_sum, loss_count = 0.0, 0
@@ -236,6 +243,8 @@ class Worker:
             every = self.config.run.checkpoint_every
             if every and done % every == 0 and done < self.total_steps:
                 self._checkpoint(done)
+            if done == self.total_steps:
+                break  # max_time ended the run at this step
         self.strategy.end_of_run()
         if self.strategy.survives_failures:  # nothing collective: a dead worker could not take part
             if self.progress is not None:
@@ -247,6 +256,46 @@ class Worker:
         if self.progress is not None:
             self.progress.close()
         return self._finish(self.final)
+
+    def _out_of_time(self, done: int) -> bool:
+        """Whether `run.max_time` of training has passed: each worker's own clock when the strategy lets workers
+        end alone, else a decision all workers take together every log_every steps (measurement traffic)."""
+        limit = self.config.run.max_time_s
+        if limit is None:
+            return False
+        if self.strategy.stops_alone:
+            return self.clock.now() >= limit
+        if done % self.config.run.log_every:
+            return False
+        flag = torch.tensor([float(self.clock.now() >= limit)], device=self.device)
+        with self.comm.unmetered():
+            if self.strategy.survives_failures:
+                return self._agree_through_rank_0(flag, done)
+            self.comm.all_reduce(flag, op="max")
+        return bool(flag.item())
+
+    def _agree_through_rank_0(self, flag: torch.Tensor, done: int) -> bool:
+        """The max of every live worker's flag, point to point through rank 0 (a collective could not finish
+        once a worker is dead); a worker that does not answer is recorded as lost."""
+        comm, first = self.comm, self.comm.ranks[0]
+        if self.rank != first:
+            comm.send(flag, first, tag=AGREE_TAG)
+            comm.recv(flag, first, tag=AGREE_TAG)
+            return bool(flag.item())
+        theirs = torch.zeros_like(flag)
+        live = [r for r in comm.ranks[1:] if r not in self.strategy.dead]
+        for rank in live:
+            try:
+                flag = torch.maximum(flag, comm.recv(theirs, rank, tag=AGREE_TAG))
+            except CommError as e:
+                self.strategy.lost(rank, done, f"did not answer the end-of-time check: {e}")
+        for rank in live:
+            if rank not in self.strategy.dead:
+                try:
+                    comm.send(flag, rank, tag=AGREE_TAG)
+                except CommError as e:
+                    self.strategy.lost(rank, done, f"did not take the end-of-time decision: {e}")
+        return bool(flag.item())
 
     def _discard_if_not_finite(self, loss: torch.Tensor) -> bool:
         """A NaN or Inf in the loss or a gradient: zero this worker's gradients so none leaves it."""
@@ -328,6 +377,7 @@ class Worker:
             self._record(step, None, kind="eval", **extra)
 
     def _checkpoint(self, step: int) -> None:
+        """This worker's state after `step` in `checkpoints/worker<rank>-step<step>.pt` (fast.checkpoint)."""
         state = {
             "step": step,
             "model": self.model.state_dict(),
@@ -339,24 +389,54 @@ class Worker:
             "evals": json.dumps(self.evals),
             "rng": torch.get_rng_state(),
         }
-        checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.run_dir, self.rank))
+        checkpoint.save(state, self.run_dir, self.rank, step)
+
+    def _save_server_checkpoint(self, strategy_state: dict[str, Any]) -> None:
+        """A server's checkpoint: its strategy's snapshot of the step `strategy_state["step"]` (async-ps) and its
+        byte counts, in `checkpoints/server<rank>-step<step>.pt`."""
+        state = {"strategy": strategy_state, "counter": self.world.counter.snapshot()}
+        checkpoint.save(state, self.run_dir, self.rank, int(strategy_state["step"]), server=True)
 
     def _restore(self) -> float:
-        path = checkpoint.checkpoint_path(self.run_dir, self.rank)
-        if not path.exists():
+        """Collective over the world (servers too): agree on the step to resume from (fast.checkpoint), load this
+        process's checkpoint of it and delete its later ones. Returns the training time to resume the clock at."""
+        server = self.is_server
+        takes_part = not server or self.strategy.server_checkpoints
+        mine = checkpoint.saved_steps(self.run_dir, self.rank, server=server)
+        everyone = checkpoint.gather_steps(self.world, mine if takes_part else None)
+        if not takes_part:
             return 0.0
-        state = checkpoint.load(path)
+        step = checkpoint.newest_common_step(everyone)
+        if step is None and any(everyone):  # checkpoints, but no step every process holds
+            alone = self.strategy.stops_alone  # workers at their own pace may be more than one interval apart
+            if self.rank == 0:
+                how = "each resumes from its own newest" if alone else "every process starts from the beginning"
+                self.strategy.ctx.log(f"fast: no checkpoint step is common to every process: {how}")
+            step = (mine[-1] if mine else None) if alone else 0
+        if step is None:  # no checkpoint anywhere
+            return 0.0
+        checkpoint.discard_after(self.run_dir, self.rank, step, server=server)
+        if step not in mine:  # the beginning: nothing to load
+            return 0.0
+        state = checkpoint.load(checkpoint.checkpoint_path(self.run_dir, self.rank, step, server=server))
+        if server:
+            self.strategy.load_state_dict(state["strategy"])
+            self._restore_counter(state["counter"])
+            return 0.0
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.strategy.load_state_dict(state["strategy"])
         torch.set_rng_state(state["rng"])
         self.start_step = int(state["step"])
         self.records, self.evals = json.loads(state["records"]), json.loads(state["evals"])
-        counter = self.world.counter
-        counter.sent.update({int(k): v for k, v in state["counter"]["sent_per_peer"].items()})
-        counter.received.update({int(k): v for k, v in state["counter"]["received_per_peer"].items()})
-        counter.sent_uncompressed = state["counter"]["bytes_sent_uncompressed"]
+        self._restore_counter(state["counter"])
         return float(state["time_s"])
+
+    def _restore_counter(self, snapshot: dict[str, Any]) -> None:
+        counter = self.world.counter
+        counter.sent.update({int(k): v for k, v in snapshot["sent_per_peer"].items()})
+        counter.received.update({int(k): v for k, v in snapshot["received_per_peer"].items()})
+        counter.sent_uncompressed = snapshot["bytes_sent_uncompressed"]
 
     # -- the end: everything goes to rank 0, which writes the outputs --------------------------------------
     def _finish(self, model: nn.Module | None) -> dict[str, Any] | None:

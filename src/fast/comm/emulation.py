@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fast.comm.comm import Comm, Handle, MessageLost
+from fast.comm.comm import Comm, Handle, MessageLost, _post
 from fast.comm.links import LinkTable
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waiting
@@ -277,7 +277,7 @@ class EmulatedComm(Comm):
         payload = _as_bytes(tensor)
         tx = self._transmit(dst, payload.numel(), tag, droppable)
         wire = _header(tx) if tx.lost else torch.cat([_header(tx), payload])
-        work = dist.isend(wire, dst=dst, group=self.group, tag=tag)
+        work = _post("send", f"worker {dst}", self.deadline_s, dist.isend, wire, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, payload.numel())  # a lost message still left the sender
         return TimedHandle(work, "send", f"worker {dst}", self.deadline_s, lambda: tx.sent_at, wire)
 
@@ -287,7 +287,8 @@ class EmulatedComm(Comm):
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> tuple[Handle, Callable[[], int]]:
         nbytes = tensor.numel() * tensor.element_size()
         wire = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
-        work = dist.irecv(wire, src=src, group=self.group, tag=tag)
+        name = f"worker {src}" if src is not None else "any worker"
+        work = _post("recv", name, self.deadline_s, dist.irecv, wire, src=src, group=self.group, tag=tag)
 
         def peer() -> int:
             return src if src is not None else work.source_rank()
@@ -306,7 +307,6 @@ class EmulatedComm(Comm):
             self.counter.add_received(peer(), nbytes)
             return tensor
 
-        name = f"worker {src}" if src is not None else "any worker"
         return TimedHandle(work, "recv", name, self.deadline_s, ready_at, tensor, arrived), peer
 
     def _arrival(self, src: int, nbytes: int, stamp: Stamp) -> float:
@@ -326,9 +326,9 @@ class EmulatedComm(Comm):
         """One emulated message of 8 + n bytes: a header with the length, then (unless lost) the payload."""
         n = payload.numel()
         tx = self._transmit(dst, 8 + n, tag, droppable)
-        works = [dist.isend(_header(tx, n), dst=dst, group=self.group, tag=tag)]
-        if n and not tx.lost:
-            works.append(dist.isend(payload.contiguous(), dst=dst, group=self.group, tag=tag))
+        parts = [_header(tx, n)] + ([payload.contiguous()] if n and not tx.lost else [])
+        name = f"worker {dst}"
+        works = [_post("send", name, self.deadline_s, dist.isend, p, dst=dst, group=self.group, tag=tag) for p in parts]
         self.counter.add_sent(dst, 8 + n)
         for work in works:
             Handle(work, "send", f"worker {dst}", self.deadline_s).wait()
@@ -336,8 +336,9 @@ class EmulatedComm(Comm):
 
     def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        work = dist.irecv(header, src=src, group=self.group, tag=tag)
-        Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s).wait()
+        name = f"worker {src}" if src is not None else "any worker"
+        work = _post("recv", name, self.deadline_s, dist.irecv, header, src=src, group=self.group, tag=tag)
+        Handle(work, "recv", name, self.deadline_s).wait()
         peer = src if src is not None else work.source_rank()
         stamp = _read_header(header)
         lost, n = stamp.lost, stamp.length
@@ -345,8 +346,9 @@ class EmulatedComm(Comm):
             raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
         payload = torch.empty(n, dtype=torch.uint8)
         if n and not lost:
-            Handle(dist.irecv(payload, src=peer, group=self.group, tag=tag), "recv", f"worker {peer}",
-                   self.deadline_s).wait()  # fmt: skip
+            name = f"worker {peer}"
+            work = _post("recv", name, self.deadline_s, dist.irecv, payload, src=peer, group=self.group, tag=tag)
+            Handle(work, "recv", name, self.deadline_s).wait()
         sleep_until(self._arrival(peer, 8 + n, stamp))
         if lost:
             raise MessageLost(f"a droppable message from worker {peer} (tag {tag}) was lost on its link")

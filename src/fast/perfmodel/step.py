@@ -12,16 +12,18 @@ How computation and communication combine:
   backward, so it hides at most the backward pass (about 2/3 of compute); D-PSGD as in paper 002
   Fig. 15 (send, compute, then await) is overlap = 1. local-sgd and diloco wait for their periodic
   all-reduce: step = compute + all-reduce / H.
-- without a barrier (ssp, async-ps, easgd, ea-wild, ad-psgd, push-sum, async-broadcast): workers
-  compute while their messages travel, so step = max(compute, comm): the step is compute-bound or
-  bound by the busiest NIC. SSP is modelled so: its staleness bound removes the barrier waits.
-  ea-wild with groups keeps the barrier of its in-group all-reduce: max(compute + in-group, master).
+- without a barrier (ssp, ad-psgd, push-sum, async-broadcast): workers compute while their messages
+  travel, so step = max(compute, comm): the step is compute-bound or bound by the busiest NIC. SSP is
+  modelled so: its staleness bound removes the barrier waits. Servers: below.
 
-Centralised exchanges (async-ps, easgd, ea-wild) are limited by the server's link: in one push (or
-pull) phase each of the N clients exchanges n/k bytes with each of k servers, and the busiest NIC (a
-server's, with N shards, or a client's, with k) sends its messages one after another:
-max(N, k)·(α + n/(kβ)). For k = 1 a push and a pull cost 2N·(α + n/β), the 2nT_w of paper 002
-Sec. 3.4.1. Gossip NICs also serialise: d messages cost d·(α + n/β), not the α + n/β that parallel
+Centralised exchanges (async-ps, easgd async, ea-wild) have two limits. A client's own exchange: its pushes
+and pulls go out and come back one after another, α + n/β each through its NIC (n in all, split over k
+servers). The server's NIC: every one of N clients sends it a shard of n/k in each push phase and receives
+one in each pull phase; links are full duplex, so pushes (in) and pulls (out) overlap and the busier
+direction sets the pace: N·n/(kβ) per phase. async-ps and easgd wait for their pull (step = max(compute +
+own exchange, busiest direction)); ea-wild overlaps its exchange with compute (step = max(compute +
+in-group all-reduce, own exchange, busiest direction)). Synchronous EASGD all-reduces every tau steps,
+like local-sgd. Gossip NICs also serialise: d messages cost d·(α + n/β), not the α + n/β that parallel
 links per peer would give.
 
 `bytes_per_worker` is the traffic of a step summed over every sender (servers included) divided by N,
@@ -59,7 +61,8 @@ COST_OPTIONS: dict[str, frozenset[str]] = {
     "sync": _COLLECTIVE_OPTIONS | {"overlap"},
     "ssp": _COLLECTIVE_OPTIONS,
     "async-ps": frozenset({"servers", "push_every", "pull_every"}),
-    "easgd": frozenset({"tau"}),
+    "easgd": frozenset({"tau", "variant"}),
+    "eamsgd": frozenset({"tau", "variant"}),
     "ea-wild": frozenset({"tau", "group_size", "inner_link"}),
     "local-sgd": _COLLECTIVE_OPTIONS | {"period"},
     "diloco": _COLLECTIVE_OPTIONS | {"period"},
@@ -109,9 +112,14 @@ def _collective(nbytes: float, workers: int, link: Link, options: dict[str, Any]
     return allreduce_cost(nbytes, workers, link, algorithm, group_size, options.get("inner_link"))
 
 
-def _server_phase_s(nbytes: float, clients: int, servers: int, link: Link) -> float:
-    """One push or pull phase: the busiest NIC sends max(clients, servers) shards of n/servers bytes."""
-    return max(clients, servers) * link.message_time(nbytes / servers)
+def _server_exchange_s(
+    nbytes: float, clients: int, servers: int, link: Link, pushes: float, pulls: float
+) -> tuple[float, float]:
+    """Per step: a client's own exchange (`pushes` + `pulls` messages of n, one after another) and the busier
+    direction of a server's NIC (every client's shard of n/servers per push, or per pull)."""
+    own = (pushes + pulls) * link.message_time(nbytes)
+    busiest = clients * (nbytes / servers) / link.bandwidth_Bps * max(pushes, pulls)
+    return own, busiest
 
 
 def _sync(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
@@ -130,33 +138,38 @@ def _local_sgd(n: float, workers: int, link: Link, compute_s: float, options: di
 
 def _async_ps(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
     servers = _count(options, "servers", 1, low=1)
-    push_every = _count(options, "push_every", 1, low=1)
-    pull_every = _count(options, "pull_every", 1, low=1)
-    phases_per_step = 1 / push_every + 1 / pull_every
-    comm_s = phases_per_step * _server_phase_s(n, workers, servers, link)
-    return _without_barrier(compute_s, comm_s, phases_per_step * n)
+    pushes = 1 / _count(options, "push_every", 1, low=1)
+    pulls = 1 / _count(options, "pull_every", 1, low=1)
+    own, busiest = _server_exchange_s(n, workers, servers, link, pushes, pulls)
+    return StepCost(max(compute_s + own, busiest), compute_s, max(own, busiest), (pushes + pulls) * n)
 
 
 def _easgd(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """Every tau steps the center is pulled and the elastic difference pushed: two phases on one master.
-    The lock that EA-wild removes costs master update time, which the α-β model leaves out."""
+    """async: every tau steps a worker sends its weights to the master and gets the center back, and waits
+    for it. sync: one all-reduce of the replicas every tau steps. The master's update time (the lock that
+    EA-wild removes) is left out."""
     tau = _count(options, "tau", None, low=1)
-    comm_s = 2 * _server_phase_s(n, workers, 1, link) / tau
-    return _without_barrier(compute_s, comm_s, 2 * n / tau)
+    if options.get("variant", "sync") == "sync":
+        seconds, nbytes = allreduce_cost(n, workers, link)
+        return StepCost(compute_s + seconds / tau, compute_s, seconds / tau, nbytes / tau)
+    own, busiest = _server_exchange_s(n, workers, 1, link, 1 / tau, 1 / tau)
+    return StepCost(max(compute_s + own, busiest), compute_s, max(own, busiest), 2 * n / tau)
 
 
 def _ea_wild(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
     """Paper 004 Algorithm 1 with worker groups: each group ring-all-reduces every step over the inner
-    link (a barrier inside the group), and its leader exchanges with the master every tau steps."""
+    link (a barrier inside the group), and its leader exchanges with the master every tau steps while the
+    group computes."""
     tau = _count(options, "tau", None, low=1)
     group_size = _count(options, "group_size", 1, low=1, high=workers)
     inner_link = options.get("inner_link") or link
     sizes = group_sizes(workers, group_size)
     in_group_s = allreduce_cost(n, max(sizes), inner_link)[0]
     in_group_bytes = sum(allreduce_cost(n, size, inner_link)[1] * size for size in sizes)
-    master_s = 2 * _server_phase_s(n, len(sizes), 1, link) / tau
+    own, busiest = _server_exchange_s(n, len(sizes), 1, link, 1 / tau, 1 / tau)
     total_bytes = in_group_bytes + len(sizes) * 2 * n / tau
-    return StepCost(max(compute_s + in_group_s, master_s), compute_s, in_group_s + master_s, total_bytes / workers)
+    step_s = max(compute_s + in_group_s, own, busiest)
+    return StepCost(step_s, compute_s, in_group_s + max(own, busiest), total_bytes / workers)
 
 
 def _peer_messages(workers: int, options: dict[str, Any], default_peers: int | None) -> float:
@@ -206,6 +219,7 @@ _COST_OF: dict[str, Callable[[float, int, Link, float, dict[str, Any]], StepCost
     "ssp": _ssp,
     "async-ps": _async_ps,
     "easgd": _easgd,
+    "eamsgd": _easgd,
     "ea-wild": _ea_wild,
     "local-sgd": _local_sgd,
     "diloco": _local_sgd,

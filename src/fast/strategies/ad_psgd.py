@@ -14,6 +14,22 @@ even when averagings overlap. A correction answered while the training thread is
 folded in before the next step: the gradient of step k is computed at the replica read before it and
 applied after the averagings that arrived meanwhile, as in the paper. `staleness` records, per step, how
 many such averagings the replica had taken between the read and the gradient's application.
+
+The wire: a request is a header [step] and the weights; the answer is a header [ANSWERED or MISSED] and,
+if ANSWERED, the answering side's weights. Headers are sent reliably, weights `droppable`.
+
+A worker may die (`survives_failures`). Its neighbours find out when a request to it (or its answer, or the
+final "done") fails, or when it neither finishes nor answers a probe within the deadline
+(`fast.strategies.messages`), and never choose it again (a `schedule` is re-made over the live workers).
+An averaging cut short by the death is not applied on the survivor's side, and an answer that could not
+be delivered is taken back, so every averaging among survivors stays pairwise and the survivors' sum of
+replicas is conserved by them.
+
+On a lossy emulated link: if a request's weights are lost, the neighbour answers MISSED and neither side
+averages (the exchange did not happen). If the answer's weights are lost, the neighbour has averaged and
+the requester has not: that one exchange is one-sided, and the sum of the replicas moves by half their
+difference, as for gossip's lost messages; the replicas still reach consensus. `lost_messages` counts both
+(rank 0's).
 """
 
 from __future__ import annotations
@@ -24,19 +40,17 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from fast.comm import MessageLost
 from fast.config import Config
+from fast.errors import CommError
 from fast.strategies.base import Strategy
 from fast.strategies.flat import FlatState
-from fast.strategies.gossip import (
-    Listener,
-    PeerOptions,
-    RandomPeers,
-    check_peer_options,
-    send_done,
-    send_message,
-)
+from fast.strategies.gossip import PeerOptions, check_peer_options
+from fast.strategies.messages import Channel, Listener, LivePeers, PeerDeaths
 
-REQUEST, REPLY = 0, 2  # the listener uses tags REQUEST (header) and REQUEST + 1 (weights)
+# requests: tags 0 (header) and 1 (weights), to the listener; answers: tags 2 (header) and 3 (weights)
+REQUEST, ANSWER = 0, 2
+MISSED, ANSWERED = 0.0, 1.0
 
 
 class ADPSGDOptions(PeerOptions):
@@ -47,6 +61,8 @@ class ADPSGD(Strategy):
     name = "ad-psgd"
     Options = ADPSGDOptions
     collective_eval = False
+    stops_alone = True
+    survives_failures = True
 
     @classmethod
     def check(cls, options: ADPSGDOptions, config: Config) -> None:
@@ -55,14 +71,15 @@ class ADPSGD(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
-        self.peers = RandomPeers(self.options, self.ctx)
-        self.channel = self.comm.channel()
-        self.lock = threading.Lock()  # guards the replica and `pending` between the two threads
+        self.peers = LivePeers(self.options, self.ctx)
+        self.deaths = PeerDeaths(self, self.peers.forget)
+        self.channel = Channel(self.comm)
+        self.lock = threading.Lock()  # guards the replica, `pending` and the counts between the two threads
         # corrections from averagings the listener answered, folded into the replica before each step
         self.pending = torch.zeros(self.state.numel)
-        self.answered = self.started = 0
+        self.answered = self.started = self.lost_messages = 0
         self.listener = Listener(
-            self.channel, self.peers.sources_ever, 2, self.state.numel, self._answer, REQUEST
+            self.channel, self.peers.sources_ever, 2, self.state.numel, self._answer, self.deaths.found, REQUEST
         )
         self.listener.start()
 
@@ -70,13 +87,33 @@ class ADPSGD(Strategy):
         """The replica as it stands with every answered averaging included (call with the lock held)."""
         return self.state.read().cpu() + self.pending
 
-    def _answer(self, sender: int, header: torch.Tensor, theirs: torch.Tensor) -> None:
-        """Listener thread: reply with our weights and take half the difference."""
+    def _answer(self, sender: int, header: torch.Tensor, theirs: torch.Tensor | None) -> None:
+        """Listener thread: reply with our weights and take half the difference (MISSED if theirs were lost)."""
+        self.deaths.heard[sender] = int(header[1].item()) + 1
+        if theirs is None:
+            with self.lock:
+                self.lost_messages += 1
+            self._reply(sender, MISSED)
+            return
         with self.lock:
             mine = self._current()
-            self.pending.add_(theirs - mine, alpha=0.5)
+            correction = (theirs - mine).mul_(0.5)
+            self.pending.add_(correction)
             self.answered += 1
-        self.channel.send(mine, sender, tag=REPLY)
+        if not self._reply(sender, ANSWERED, mine):
+            with self.lock:  # it never got our weights: it does not average, so neither do we
+                self.pending.sub_(correction)
+                self.answered -= 1
+
+    def _reply(self, requester: int, kind: float, mine: torch.Tensor | None = None) -> bool:
+        try:
+            self.channel.send(torch.tensor([kind], dtype=torch.float64), requester, ANSWER)
+            if mine is not None:
+                self.channel.send(mine, requester, ANSWER + 1, droppable=True)
+        except CommError as e:
+            self.deaths.found(requester, str(e))
+            return False
+        return True
 
     def before_step(self, step: int) -> None:
         self.listener.check()
@@ -91,30 +128,49 @@ class ADPSGD(Strategy):
 
     def after_optimizer_step(self, step: int) -> None:
         self.lock.release()
+        self.deaths.own_step = step + 1
         for peer in self.peers.targets(step):
             self._average_with(peer, step)
 
     def _average_with(self, peer: int, step: int) -> None:
         with self.lock:
             mine = self._current()
-        theirs = torch.empty_like(mine)
-        reply = self.channel.irecv(theirs, peer, tag=REPLY)  # posted first: the peer's reply never waits
-        send_message(self.channel, peer, [float(step)], mine, tag=REQUEST)
-        reply.wait()
+        kind = torch.zeros(1, dtype=torch.float64)
+        try:
+            answer = self.channel.comm.irecv(kind, peer, tag=ANSWER)  # posted first: the peer's answer never waits
+            self.channel.send_message(peer, [float(step)], mine, tag=REQUEST, droppable=True)
+            self.channel.wait(answer)
+            if kind.item() == MISSED:  # our weights were lost on the way: the exchange did not happen
+                return
+            theirs = self.channel.recv(torch.empty_like(mine), peer, ANSWER + 1)
+        except MessageLost:  # its weights were lost on the way: it averaged, this side does not
+            with self.lock:
+                self.lost_messages += 1
+            return
+        except CommError as e:
+            self.deaths.found(peer, str(e))
+            return
         with self.lock:
             self.pending.add_(theirs - mine, alpha=0.5)
-        self.started += 1
+            self.started += 1
 
     def end_of_run(self) -> None:
         """Tell the neighbours no request follows, answer theirs until they say the same, fold in the rest."""
-        send_done(self.channel, self.peers.targets_ever, [0.0], tag=REQUEST)
-        self.listener.finish()
-        self.state.add(self.pending)
-        self.pending.zero_()
+        for peer in self.peers.targets_ever:
+            if peer not in self.dead:
+                try:
+                    self.channel.send_done(peer, [0.0], tag=REQUEST)
+                except CommError as e:
+                    self.deaths.found(peer, str(e))
+        self.listener.finish(self.dead, self.deaths.found)
+        with self.lock:
+            self.state.add(self.pending)
+            self.pending.zero_()
 
     def summary(self) -> dict[str, object]:
         return {
             "topology": self.peers.describe(),
             "averagings_started": self.started,
             "averagings_answered": self.answered,
+            "lost_messages": self.lost_messages,
         }

@@ -16,6 +16,12 @@ applies every worker's full step, as Downpour does (the effective learning rate 
 `max_delay_ms` emulates slow links: each update is applied a random 0..max_delay_ms (seeded) after it
 arrives, in order per sender. `staleness` records, for every update applied, how many updates the replica
 held that the sender's replica did not when it made the update (from a vector clock sent with each update).
+
+A worker may die (`survives_failures`): the others find out when an update (or the final count) sent to it
+fails, or when it neither finishes nor answers a probe within the deadline (`fast.strategies.messages`),
+and send it nothing more. Its updates that reached a survivor are kept there. So the survivors' replicas
+still agree at the end up to the dead worker's last updates: those on their way when it died may have
+reached some survivors and not others.
 """
 
 from __future__ import annotations
@@ -33,13 +39,11 @@ from torch import nn
 from fast.errors import CommError
 from fast.strategies.base import Strategy, StrategyOptions
 from fast.strategies.flat import FlatState
-from fast.strategies.gossip import Listener, post_message, send_done
+from fast.strategies.messages import Channel, Listener, PeerDeaths
 
 
 class AsyncBroadcastOptions(StrategyOptions):
-    max_delay_ms: float = Field(
-        0.0, ge=0, description="emulated delay: updates wait a random 0..max_delay_ms"
-    )
+    max_delay_ms: float = Field(0.0, ge=0, description="emulated delay: updates wait a random 0..max_delay_ms")
     scale: Literal["mean", "sum"] = Field("mean", description="apply and send 1/N of each step, or all of it")
 
 
@@ -55,6 +59,8 @@ class AsyncBroadcast(Strategy):
     name = "async-broadcast"
     Options = AsyncBroadcastOptions
     collective_eval = False
+    stops_alone = True
+    survives_failures = True
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
@@ -66,13 +72,17 @@ class AsyncBroadcast(Strategy):
         self.inbox: list[Delivery] = []
         self.delays = random.Random(f"fast.async-broadcast:{self.ctx.config.run.seed}:{self.comm.rank}")
         self.last_due = dict.fromkeys(self.others, 0.0)
-        self.channel = self.comm.channel()
+        self.channel = Channel(self.comm)
+        self.deaths = PeerDeaths(self)
         header_size = 1 + self.comm.size
-        self.listener = Listener(self.channel, self.others, header_size, self.state.numel, self._arrive)
+        self.listener = Listener(
+            self.channel, self.others, header_size, self.state.numel, self._arrive, self.deaths.found
+        )
         self.listener.start()
 
-    def _arrive(self, sender: int, header: torch.Tensor, update: torch.Tensor) -> None:
+    def _arrive(self, sender: int, header: torch.Tensor, update: torch.Tensor | None) -> None:
         """Listener thread: queue the update, due after its emulated delay (not before the sender's last)."""
+        self.deaths.heard[sender] = int(header[1 + self.comm.index(sender)].item()) + 1
         delay = self.delays.uniform(0.0, self.options.max_delay_ms) / 1000
         due = max(self.last_due[sender], time.monotonic() + delay)
         self.last_due[sender] = due
@@ -101,21 +111,36 @@ class AsyncBroadcast(Strategy):
             update /= self.comm.size
             self.state.write(self.before + update)
         self.applied[self.comm.index()] += 1
-        for handle in post_message(self.channel, self.others, self.clock_at_read.tolist(), update):
-            handle.wait()
+        self.deaths.own_step = step + 1
+        posted = []
+        for peer in self.others:  # to everyone at once, then wait
+            if peer not in self.dead:
+                try:
+                    posted.append((peer, self.channel.post_message(peer, self.clock_at_read.tolist(), update)))
+                except CommError as e:
+                    self.deaths.found(peer, str(e))
+        for peer, handles in posted:
+            try:
+                for handle in handles:
+                    self.channel.wait(handle)
+            except CommError as e:
+                self.deaths.found(peer, str(e))
         self.sent += 1
 
     def end_of_run(self) -> None:
         """Tell everyone how many updates we sent, take in every update still on its way (no delay now)."""
-        send_done(self.channel, self.others, [float(self.sent)] + [0.0] * (self.comm.size - 1))
-        self.listener.finish()
+        for peer in self.others:
+            if peer not in self.dead:
+                try:
+                    self.channel.send_done(peer, [float(self.sent)] + [0.0] * (self.comm.size - 1))
+                except CommError as e:
+                    self.deaths.found(peer, str(e))
+        self.listener.finish(self.dead, self.deaths.found)
         self._apply_arrived(everything=True)
         for sender, header in self.listener.done_headers.items():
             announced, applied = int(header[1].item()), int(self.applied[self.comm.index(sender)])
             if announced != applied:
-                raise CommError(
-                    f"async-broadcast: worker {sender} sent {announced} updates but {applied} arrived"
-                )
+                raise CommError(f"async-broadcast: worker {sender} sent {announced} updates but {applied} arrived")
 
     def summary(self) -> dict[str, object]:
         return {"updates_per_replica": int(self.applied.sum())}

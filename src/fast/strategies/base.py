@@ -8,6 +8,7 @@ need; the defaults do nothing, so local training with no communication is `Strat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -47,6 +48,9 @@ class StrategyContext:
     steps_per_epoch: int
     validation: tuple[torch.Tensor, torch.Tensor] | None = None
     log: Any = field(default=print)
+    # a server process hands its checkpoint state here when it has one (fast.worker writes it atomically and
+    # gives it back to `load_state_dict` on resume); None where nothing is checkpointed
+    save_checkpoint: Callable[[dict[str, Any]], None] | None = None
 
 
 class Strategy:
@@ -65,6 +69,12 @@ class Strategy:
     # (recording each with `lost`), evaluation during training is rank 0's alone, and the end of the run is
     # point-to-point to rank 0 (fast.results.gather_from_survivors) instead of collective
     survives_failures: ClassVar[bool] = False
+    # True: a worker may end its training at its own step while the others go on (asynchronous strategies), so
+    # `run.max_time` is each worker's own clock; False: workers end at the same step, agreed every log_every
+    stops_alone: ClassVar[bool] = False
+    # True: the servers write checkpoints of their own (through `ctx.save_checkpoint`, a dict with its "step"),
+    # so on resume they take part in choosing the step every process resumes from (fast.checkpoint)
+    server_checkpoints: ClassVar[bool] = False
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options

@@ -97,14 +97,26 @@ class DiLoCo(Strategy):
         return model
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"theta": self.theta.clone(), "outer": self.outer.state_dict()}
+        """θ, the outer optimizer's state (momentum), the round counters and the codec's error feedback; each
+        worker's replica and inner optimizer are in its own checkpoint."""
+        state = {
+            "theta": self.theta.clone(),
+            "outer": self.outer.state_dict(),
+            "rounds": self.rounds,
+            "last_step": self.last_step,
+            "last_round_step": self.last_round_step,
+        }
         if self.compressed is not None:
             state["codec"] = self.compressed.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.theta.copy_(state["theta"])
+        with torch.no_grad():
+            self.theta.copy_(state["theta"])
         self.outer.load_state_dict(state["outer"])
+        self.rounds = int(state.get("rounds", 0))
+        self.last_step = int(state.get("last_step", -1))
+        self.last_round_step = int(state.get("last_round_step", -1))
         if self.compressed is not None and "codec" in state:
             self.compressed.load_state_dict(state["codec"])
 

@@ -14,6 +14,13 @@ travel and are averaged with the parameters.
 Staleness, recorded by the master for each center update: the updates other groups made to the center since
 this group's previous exchange. The reported model is the center: at the end the master sends its final
 center to every group and every replica loads it. During training rank 0 evaluates the last center it got.
+
+A worker may die (`survives_failures`): the master's handler for its group finds the connection closed
+(or the group silent past the deadline), records it and forgets the group, whose last exchanges stay in the
+center; the other groups go on, and the run ends with the survivors. A group trains synchronously, so a
+member's death ends its whole group (the others' all-reduce fails and they stop); the group holding rank 0
+cannot go on, since rank 0's death stays fatal. The step recorded is the steps the group had done at its
+last exchange.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch import nn
 
 from fast.comm import Comm
 from fast.config import Config
-from fast.errors import ConfigError
+from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
 
 EXCHANGE, DONE = 1, 2
@@ -63,6 +70,8 @@ class EAWild(Strategy):
     Options = EAWildOptions
     decentralised = False  # every replica ends holding the center
     collective_eval = False
+    stops_alone = True
+    survives_failures = True
 
     @classmethod
     def server_count(cls, options: EAWildOptions, workers: int) -> int:
@@ -133,7 +142,10 @@ class EAWild(Strategy):
             return
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = torch.cat([p.grad.reshape(-1) for p in params])
-        self.group.all_reduce(grads, op="mean")
+        try:
+            self.group.all_reduce(grads, op="mean")
+        except CommError as e:
+            raise self._group_broken(e) from None
         offset = 0
         for p in params:
             p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
@@ -146,7 +158,10 @@ class EAWild(Strategy):
             handle.wait()
         self.pending = []
         if self.group is not None:
-            self.group.broadcast(self.center, src=self.leader)
+            try:
+                self.group.broadcast(self.center, src=self.leader)
+            except CommError as e:
+                raise self._group_broken(e) from None
         self.received_center = True
         pull = (self.sent - self.center).mul_(self.alpha)
         offset = 0
@@ -154,6 +169,12 @@ class EAWild(Strategy):
             for t in model_tensors(self.model):
                 t.sub_(pull[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    def _group_broken(self, cause: CommError) -> CommError:
+        return CommError(
+            f"ea-wild: group {self.group.ranks} lost a member ({cause}); a group trains synchronously, so the "
+            "whole group stops (the other groups go on, unless this one holds worker 0)"
+        )
 
     def end_of_run(self) -> None:
         if self.link is not None:
@@ -177,6 +198,7 @@ class EAWild(Strategy):
         with self.world.unmetered():
             self.links[0].recv(self.center, 0, tag=TAG)
         self.updates = [0] * len(self.leaders)  # one slot per handler thread: counting needs no lock
+        self.failure_lock = threading.Lock()  # handler threads may record deaths at the same time
 
     def serve(self, model: nn.Module) -> None:
         """One handler thread per group, all updating `self.center` in place without a lock."""
@@ -191,9 +213,18 @@ class EAWild(Strategy):
             thread.join()
         if errors:
             raise errors[0]
-        for leader in self.leaders:
-            self.links[leader].send(self.center, leader, tag=FINAL_TAG)
+        for i, leader in enumerate(self.leaders):
+            if leader not in self.dead:
+                try:
+                    self.links[leader].send(self.center, leader, tag=FINAL_TAG)
+                except CommError as e:
+                    self._lost_group(i, leader, f"did not take the final center: {e}")
         load_flat(model, self.center)
+
+    def _lost_group(self, index: int, leader: int, how: str) -> None:
+        """Forget a group whose leader is gone; the step given is the steps it had done at its last exchange."""
+        with self.failure_lock:
+            self.lost(leader, max(self.updates[index] - 1, 0) * self.options.tau, how)
 
     def _handle(self, index: int, leader: int, errors: list[BaseException]) -> None:
         link = self.links[leader]
@@ -202,17 +233,25 @@ class EAWild(Strategy):
         seen = 0  # center updates when this group last exchanged
         try:
             while True:
-                link.recv(header, leader, tag=TAG)
-                if int(header) == DONE:
+                try:
+                    link.recv(header, leader, tag=TAG)
+                    if int(header) == DONE:
+                        return
+                    link.recv(weights, leader, tag=TAG)
+                except CommError as e:  # its own link: a timeout here closes no other group's connections
+                    self._lost_group(index, leader, str(e))
                     return
-                link.recv(weights, leader, tag=TAG)
                 snapshot = self.center.clone()  # what this group pulls toward, before its own update
                 reply = link.isend(snapshot, leader, tag=TAG)
                 self.staleness.append(sum(self.updates) - seen)
                 self.center.lerp_(weights, self.alpha)  # w̃ ← w̃ + ηρ(wʲ − w̃), racing the other handlers
                 self.updates[index] += 1
                 seen = sum(self.updates)
-                reply.wait()
+                try:
+                    reply.wait()
+                except CommError as e:
+                    self._lost_group(index, leader, str(e))
+                    return
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             errors.append(e)
 

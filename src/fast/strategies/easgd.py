@@ -20,6 +20,15 @@ optimizer.name = "sgd" and turns Nesterov momentum on (`momentum`, default optim
 
 The reported model is the center. Staleness (async): for each center update, the number of updates other
 workers made to the center since this worker's previous exchange, recorded by the master.
+
+The asynchronous variant survives a worker's death (`survives_failures`). The master receives exchanges in a
+listener thread (`fast.strategies.messages`) and probes a worker that has been silent for a while: one whose
+connection is closed, or that stays silent past the deadline, is recorded (at the steps it had done at its
+last exchange) and forgotten, its past pulls staying in the center; one only slow that speaks again is taken
+back. The master finishes when every live worker is done, and the run ends with the survivors. So that the
+end of the run, which then averages the survivors' replicas (`fast.survivors`), reports the center, every
+worker loads the final center into its replica when `final_model` is "average"; "best" and "worker:K" keep
+the replicas. The synchronous variant needs every worker at each all-reduce: a death there stays fatal.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from fast.config import Config
 from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
 from fast.strategies.flat import FlatState
+from fast.strategies.messages import Channel, Listener, PeerDeaths
 
-# what a worker's one-element header tells the master
-INIT, EXCHANGE, DONE = 0, 1, 2
+# async: exchanges go to the master's listener on tags 0 (header) and 1 (weights); it answers on 2
+EXCHANGE_TAG, CENTER_TAG, INIT_TAG, FINAL_TAG = 0, 2, 3, 4
 
 
 class EASGDOptions(StrategyOptions):
@@ -59,13 +69,18 @@ def moving_rate(options: EASGDOptions, config: Config) -> float:
 class EASGD(Strategy):
     name = "easgd"
     Options = EASGDOptions
+    # the async variant; the launcher reads this before a variant is known, and the sync variant says False
+    # on its instances, so a death there ends the run (its all-reduce fails on every worker)
+    survives_failures = True
 
     def __init__(self, options: EASGDOptions, ctx: StrategyContext) -> None:
         super().__init__(options, ctx)
         self.alpha = moving_rate(options, ctx.config)
         self.is_async = options.variant == "async"
+        self.survives_failures = self.is_async
         self.master = ctx.workers  # the master's global rank (async only)
         self.exchanges = 0
+        self.step = 0
 
     @property
     def collective_eval(self) -> bool:  # type: ignore[override]
@@ -100,18 +115,18 @@ class EASGD(Strategy):
         self.center = self.state.read().cpu() if self.is_async else self.state.read()
         self.introduced = False
         if self.is_async:
-            self.channel = self.world.channel()  # the server creates the same group in setup_server
+            self.channel = Channel(self.world)  # the server creates the same group in setup_server
 
     def before_step(self, step: int) -> None:
         if self.is_async and not self.introduced and self.comm.rank == self.comm.ranks[0]:
             # rank 0 gives the master the starting center (after a resume: the one in its checkpoint);
             # like the base class's initial broadcast, this is set-up traffic and is not counted
             with self.channel.unmetered():
-                self.channel.send(torch.tensor([INIT]), self.master)
-                self.channel.send(self.center, self.master)
+                self.channel.send(self.center, self.master, INIT_TAG)
         self.introduced = True
 
     def after_backward(self, step: int) -> None:
+        self.step = step
         if step > 0 and step % self.options.tau == 0:
             self.exchange()
 
@@ -120,9 +135,8 @@ class EASGD(Strategy):
         """One elastic exchange with the center (all workers at once, or this worker with the master)."""
         weights = self.state.read()
         if self.is_async:
-            self.channel.send(torch.tensor([EXCHANGE]), self.master)
-            self.channel.send(weights.cpu(), self.master)
-            self.channel.recv(self.center, self.master)
+            self.channel.send_message(self.master, [float(self.step)], weights, tag=EXCHANGE_TAG)
+            self.channel.recv(self.center, self.master, CENTER_TAG)
             old_center = self.center.to(weights.device)
         else:
             total = weights.clone()
@@ -134,8 +148,11 @@ class EASGD(Strategy):
 
     def end_of_run(self) -> None:
         if self.is_async:  # tell the master, then get its final center
-            self.channel.send(torch.tensor([DONE]), self.master)
-            self.channel.recv(self.center, self.master)
+            self.channel.send_done(self.master, [0.0], tag=EXCHANGE_TAG)
+            # the master answers when every worker is done or taken for dead, which takes it up to a deadline
+            self.channel.recv(self.center, self.master, FINAL_TAG, deadline_s=3 * self.channel.deadline_s)
+            if self.options.final_model == "average":  # the end of the run averages replicas: make it the center
+                self.state.write(self.center.to(self.state.tensors[0].device))
 
     def final_model(self, choice: str | None = None) -> nn.Module:
         """The center, which every worker holds (no communication); "best" and "worker:K" pick a replica."""
@@ -165,35 +182,44 @@ class EASGD(Strategy):
 
     # -- the master (async) --------------------------------------------------------------------------------
     def setup_server(self, model: nn.Module) -> None:
-        self.channel = self.world.channel()
+        self.channel = Channel(self.world)
+
+    def serve(self, model: nn.Module) -> None:
+        """Serve elastic exchanges one worker at a time (in a listener thread) until every live worker is
+        done, then send each the center."""
+        self.center = FlatState.of_model(model).read().cpu()
+        with self.channel.unmetered():  # set-up traffic, as on worker 0's side
+            self.channel.recv(self.center, 0, INIT_TAG)
+        self.center_updates = 0
+        self.updates_seen = dict.fromkeys(range(self.ctx.workers), 0)  # center updates each worker knows of
+        self.deaths = PeerDeaths(self)
+        workers = range(self.ctx.workers)
+        listener = Listener(self.channel, workers, 2, self.center.numel(), self._elastic, self.deaths.found)
+        listener.start()
+        listener.finish(self.dead, self.deaths.found)
+        for worker in sorted(set(listener.done_headers) - self.dead):
+            try:
+                self.channel.send(self.center, worker, FINAL_TAG)
+            except CommError as e:
+                self.deaths.found(worker, f"did not take the final center: {e}")
 
     @torch.no_grad()
-    def serve(self, model: nn.Module) -> None:
-        """Serve elastic exchanges one worker at a time until every worker is done, then send the center."""
-        center = FlatState.of_model(model).read().cpu()
-        weights = torch.empty_like(center)
-        header = torch.zeros(1, dtype=torch.int64)
-        with self.channel.unmetered():  # set-up traffic, as on worker 0's side
-            self.channel.recv(header, 0)
-            if int(header.item()) != INIT:
-                raise CommError(f"easgd master: worker 0 sent message kind {int(header.item())} before INIT")
-            self.channel.recv(center, 0)
-        self.center_updates = 0
-        updates_seen = dict.fromkeys(range(self.ctx.workers), 0)  # center updates each worker knows of
-        working = set(range(self.ctx.workers))
-        while working:
-            worker = self.channel.recv_from(header)
-            if int(header.item()) == DONE:
-                working.discard(worker)
-                continue
-            self.channel.recv(weights, worker)
-            self.channel.send(center, worker)
-            center.add_(weights - center, alpha=self.alpha)
-            self.staleness.append(self.center_updates - updates_seen[worker])
-            self.center_updates += 1
-            updates_seen[worker] = self.center_updates
-        for worker in range(self.ctx.workers):
-            self.channel.send(center, worker)
+    def _elastic(self, worker: int, header: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Listener thread: answer one exchange with the center, then move the center toward the worker."""
+        with self.deaths.lock:
+            if worker in self.dead:  # only slow, not dead: take it back
+                self.dead.discard(worker)
+                self.failures = [f for f in self.failures if f["worker"] != worker]
+        self.deaths.heard[worker] = int(header[1].item())
+        try:
+            self.channel.send(self.center, worker, CENTER_TAG)
+        except CommError as e:
+            self.deaths.found(worker, str(e))
+            return
+        self.center.add_(weights - self.center, alpha=self.alpha)
+        self.staleness.append(self.center_updates - self.updates_seen[worker])
+        self.center_updates += 1
+        self.updates_seen[worker] = self.center_updates
 
 
 class EAMSGDOptions(EASGDOptions):

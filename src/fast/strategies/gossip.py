@@ -32,6 +32,12 @@ own, and from the next round mix on `Topology.without(dead)` (weights re-made by
 symmetric and doubly stochastic over the survivors). Every message carries its sender's list of the dead,
 so the news reaches the workers that are not the dead one's neighbours within a few rounds. CHOCO-SGD keeps
 estimates of fixed neighbours and does not survive a death.
+
+On an emulated lossy link (`[network] loss`, or a link that is down) D-PSGD's messages are droppable: a
+worker whose neighbour's message was lost keeps that neighbour's share of the round on its own replica, as
+for a channel that is down. The other end may have received its message and mixed, so in that round W is
+row-stochastic but not symmetric; the average drifts by what the two replicas differed, and consensus still
+holds. The summary counts `lost_messages`.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from pydantic import Field
 from torch import nn
 
 from fast.codecs import ErrorFeedback, build_codec
-from fast.comm import Comm, Handle
+from fast.comm import Comm, Handle, MessageLost
 from fast.comm.compressed import ChocoGossip, worker_codec
 from fast.config import Config
 from fast.errors import CommError, CommTimeout, ConfigError
@@ -353,7 +359,7 @@ class Gossip(Strategy):
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
         self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
-        self.exchanges = self.steps = 0
+        self.exchanges = self.steps = self.lost_messages = 0
         self.newly_dead: set[int] = set()  # topology indices found dead in the current round
         codec = self.ctx.config.codec
         self.choco: ChocoGossip | None = None
@@ -385,7 +391,7 @@ class Gossip(Strategy):
         for j, buffer in self.inbox.items():
             self._post(step, j, self.comm.irecv, buffer, ranks[j])
         for j in self.round.sends:
-            self._post(step, j, self.comm.isend, message, ranks[j])
+            self._post(step, j, self.comm.isend, message, ranks[j], 0, True)  # droppable: a loss is survivable
 
     def _post(self, step: int, j: int, start: Callable[..., Handle], *args: object) -> None:
         try:
@@ -400,17 +406,21 @@ class Gossip(Strategy):
     def after_backward(self, step: int) -> None:
         if self.choco is not None:
             return
+        missing: set[int] = set()  # neighbours whose message was lost on its (emulated) link this round
         for j, handle in self.handles:
             if j in self.newly_dead:
                 continue  # its other operation failed already
             try:
                 handle.wait()
+            except MessageLost:
+                missing.add(j)
             except CommError as e:
                 self._lost(j, step, str(e))
+        self.lost_messages += len(missing)
         numel = self.state.numel
         mixed = self.mine * self.round.keep
         for j, theirs in self.inbox.items():
-            if j in self.newly_dead:  # its share of this round stays with this worker
+            if j in self.newly_dead or j in missing:  # its share of this round stays with this worker
                 mixed.add_(self.mine, alpha=self.round.takes[j])
                 continue
             mixed.add_(theirs[:numel], alpha=self.round.takes[j])
@@ -418,7 +428,7 @@ class Gossip(Strategy):
                 if k not in self.rounds.dead and k != self.comm.index():
                     self._lost(k, step, f"told by worker {self.comm.ranks[j]}")
         self.state.write(mixed)
-        self.exchanges += len(self.inbox) - len(self.newly_dead & self.inbox.keys())
+        self.exchanges += len(self.inbox) - len((self.newly_dead | missing) & self.inbox.keys())
         self.steps += 1
         if self.newly_dead:
             self.rounds.forget(self.newly_dead)
@@ -442,6 +452,7 @@ class Gossip(Strategy):
         figures: dict[str, object] = {
             "topology": self.rounds.describe(),
             "mean_peers_per_step": self.exchanges / self.steps if self.steps else 0.0,
+            "lost_messages": self.lost_messages,
         }
         if self.rounds.topology is not None:
             figures["spectral_gap"] = self.rounds.topology.spectral_gap()

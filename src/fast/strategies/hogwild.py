@@ -51,6 +51,7 @@ class Hogwild(Strategy):
     Options = StrategyOptions
     decentralised = False  # there is one model
     collective_eval = False
+    stops_alone = True
 
     @classmethod
     def check(cls, options: StrategyOptions, config: Config) -> None:

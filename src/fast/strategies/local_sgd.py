@@ -92,11 +92,21 @@ class LocalSGD(Strategy):
             self.average()
 
     def state_dict(self) -> dict[str, Any]:
-        if self.compressed is None:
-            return {}
-        return {"anchor": self.anchor.clone(), "codec": self.compressed.state_dict()}
+        """The averaging counters and, with a codec, the last average and the codec's error feedback (the
+        schedule itself follows the step, and each worker's replica and optimizer are in its checkpoint)."""
+        state: dict[str, Any] = {
+            "averagings": self.averagings,
+            "last_step": self.last_step,
+            "last_averaged": self.last_averaged,
+        }
+        if self.compressed is not None:
+            state.update(anchor=self.anchor.clone(), codec=self.compressed.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.averagings = int(state.get("averagings", 0))
+        self.last_step = int(state.get("last_step", -1))
+        self.last_averaged = int(state.get("last_averaged", -1))
         if self.compressed is not None and "codec" in state:
             self.anchor.copy_(state["anchor"])
             self.compressed.load_state_dict(state["codec"])

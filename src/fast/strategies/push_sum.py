@@ -11,10 +11,24 @@ queues what arrives, and before each step the worker merges it, as the paper's l
 The exchanges conserve the sum of the weights (one, once the pushes in flight are counted) and the
 weighted sum of the replicas, sum_i alpha_i x_i, the consensus that the replicas approach (with lr = 0 they
 all converge to it). At the end every worker tells each neighbour how many pushes it sent and merges theirs
-until all neighbours have done so, so nothing is left in flight; the summary lists the final weights
-(`push_sum_weights`). A worker that has finished is pushed to no more: it would keep the weight and never
-pass it on. The reported "average" model is the plain mean of the replicas, as for other decentralised
-strategies.
+until all neighbours have done so, so nothing is left in flight; rank 0 then collects the final weights
+(`push_sum_weights`, point to point). A worker that has finished is pushed to no more: it would keep the
+weight and never pass it on. The reported "average" model is the plain mean of the replicas, as for other
+decentralised strategies.
+
+A worker may die (`survives_failures`). The weight it held, and that of the pushes on their way to it, is
+lost with it; a push to a peer found dead stays with the pusher. The survivors' weights then sum to less
+than one and keep that sum (`push_sum_weights` has None for the dead, `push_sum_weight_total` is the
+survivors' sum). Nothing needs rescaling: each replica holds the estimate x_i itself (z_i / alpha_i in
+push-sum's usual terms) and a merge is a weighted average, so the estimates stay unbiased and approach
+sum_i alpha_i x_i / sum_i alpha_i over the survivors. A peer is found dead when a push to it (or the final
+"done") fails, or when it neither finishes nor answers a probe within the deadline
+(`fast.strategies.messages`); it is then never chosen again.
+
+On a lossy emulated link a push's values (sent `droppable`) may be lost; its header, with the weight, always
+arrives. The receiver then takes the weight with its own values, alpha_j <- alpha_j + alpha_i and x_j
+unchanged: the weights still sum to exactly one, and the consensus moves by alpha_i (x_j - x_i) / sum alpha,
+which shrinks as the replicas agree. `lost_messages` counts such pushes (rank 0's).
 """
 
 from __future__ import annotations
@@ -27,17 +41,13 @@ from pydantic import Field
 from torch import nn
 
 from fast.config import Config
-from fast.errors import CommError
+from fast.errors import CommError, CommTimeout
 from fast.strategies.base import Strategy
 from fast.strategies.flat import FlatState
-from fast.strategies.gossip import (
-    Listener,
-    PeerOptions,
-    RandomPeers,
-    check_peer_options,
-    send_done,
-    send_message,
-)
+from fast.strategies.gossip import PeerOptions, check_peer_options
+from fast.strategies.messages import Channel, Listener, LivePeers, PeerDeaths
+
+PUSH_TAG, WEIGHTS_TAG = 0, 2  # pushes use tags 0 (header) and 1 (values); the final weights go to rank 0 on 2
 
 
 class PushSumOptions(PeerOptions):
@@ -49,6 +59,8 @@ class PushSum(Strategy):
     name = "push-sum"
     Options = PushSumOptions
     collective_eval = False
+    stops_alone = True
+    survives_failures = True
 
     @classmethod
     def check(cls, options: PushSumOptions, config: Config) -> None:
@@ -57,58 +69,93 @@ class PushSum(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
-        self.peers = RandomPeers(self.options, self.ctx)
+        self.peers = LivePeers(self.options, self.ctx)
+        self.deaths = PeerDeaths(self, self.peers.forget)
         self.alpha = 1.0 / self.comm.size
         self.sent = dict.fromkeys(self.peers.targets_ever, 0)
-        self.arrived: queue.SimpleQueue[tuple[float, torch.Tensor]] = queue.SimpleQueue()
-        self.channel = self.comm.channel()
-        self.listener = Listener(self.channel, self.peers.sources_ever, 3, self.state.numel, self._arrive)
+        self.arrived: queue.SimpleQueue[tuple[float, torch.Tensor | None]] = queue.SimpleQueue()
+        self.channel = Channel(self.comm)
+        self.listener = Listener(
+            self.channel, self.peers.sources_ever, 3, self.state.numel, self._arrive, self.deaths.found, PUSH_TAG
+        )
         self.listener.start()
-        self.weights: list[float] = []
+        self.weights: list[float | None] = []
         self.pushes = 0
 
-    def _arrive(self, sender: int, header: torch.Tensor, theirs: torch.Tensor) -> None:
+    def _arrive(self, sender: int, header: torch.Tensor, theirs: torch.Tensor | None) -> None:
+        self.deaths.heard[sender] = int(header[2].item()) + 1
         self.arrived.put((header[1].item(), theirs))
 
     def _merge_arrivals(self) -> None:
         while not self.arrived.empty():
             weight, theirs = self.arrived.get()
             total = self.alpha + weight
-            merged = self.state.read() * (self.alpha / total)
-            merged.add_(theirs.to(merged.device), alpha=weight / total)
-            self.state.write(merged)
-            self.alpha = total
+            if theirs is not None:
+                merged = self.state.read() * (self.alpha / total)
+                merged.add_(theirs.to(merged.device), alpha=weight / total)
+                self.state.write(merged)
+            self.alpha = total  # a lost push's weight is taken with this replica's own values
 
     def before_step(self, step: int) -> None:
         self.listener.check()
         self._merge_arrivals()
 
     def after_optimizer_step(self, step: int) -> None:
+        self.deaths.own_step = step + 1
         # a neighbour that has finished would keep the weight and never pass it on: push to the others
         targets = [peer for peer in self.peers.targets(step) if peer not in self.listener.done_headers]
         if not targets:
             return
         self.alpha /= len(targets) + 1
+        share = self.alpha
         mine = self.state.read()
         for peer in targets:
-            send_message(self.channel, peer, [self.alpha, float(step)], mine)
-            self.sent[peer] += 1
+            try:
+                self.channel.send_message(peer, [share, float(step)], mine, tag=PUSH_TAG, droppable=True)
+            except CommTimeout as e:  # it may be only slow and still take the push: the share is gone
+                self.deaths.found(peer, str(e))
+            except CommError as e:  # it is gone, with whatever it got: the share stays with the survivors
+                self.alpha += share
+                self.deaths.found(peer, str(e))
+            else:
+                self.sent[peer] += 1
 
     def end_of_run(self) -> None:
         """Drain: announce each neighbour's push count, merge everything until all neighbours did the same."""
         for peer, count in self.sent.items():
-            send_done(self.channel, [peer], [float(count), 0.0])
-        self.listener.finish()
+            if peer not in self.dead:
+                try:
+                    self.channel.send_done(peer, [float(count), 0.0], tag=PUSH_TAG)
+                except CommError as e:
+                    self.deaths.found(peer, str(e))
+        self.listener.finish(self.dead, self.deaths.found)
         self._merge_arrivals()
         for sender, header in self.listener.done_headers.items():
             announced, received = int(header[1].item()), self.listener.received[sender]
             if announced != received:
                 raise CommError(f"push-sum: worker {sender} sent {announced} pushes but {received} arrived")
+        self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        """Rank 0 collects every live worker's weight and push count, point to point (measurement only)."""
         mine = torch.tensor([self.alpha, float(sum(self.sent.values()))], dtype=torch.float64)
-        with self.comm.unmetered():
-            gathered = self.comm.all_gather(mine)
-        self.weights = [float(w[0]) for w in gathered]
-        self.pushes = int(sum(w[1] for w in gathered))
+        first = self.comm.ranks[0]
+        with self.channel.unmetered():
+            if self.comm.rank != first:
+                try:
+                    self.channel.send(mine, first, WEIGHTS_TAG)
+                except CommError:
+                    pass  # rank 0 took this worker for dead: the end of the run goes on without it
+                return
+            gathered = {first: mine}
+            for rank in self.comm.ranks[1:]:
+                if rank not in self.dead:
+                    try:
+                        gathered[rank] = self.channel.recv(torch.zeros(2, dtype=torch.float64), rank, WEIGHTS_TAG)
+                    except CommError as e:
+                        self.deaths.found(rank, f"did not report its push-sum weight: {e}")
+        self.weights = [float(gathered[r][0]) if r in gathered else None for r in self.comm.ranks]
+        self.pushes = int(sum(float(g[1]) for g in gathered.values()))
 
     def state_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha}
@@ -117,9 +164,11 @@ class PushSum(Strategy):
         self.alpha = float(state["alpha"])
 
     def summary(self) -> dict[str, object]:
+        live = [w for w in self.weights if w is not None]
         return {
             "topology": self.peers.describe(),
             "pushes": self.pushes,
             "push_sum_weights": self.weights,
-            "push_sum_weight_total": sum(self.weights) if self.weights else None,
+            "push_sum_weight_total": sum(live) if live else None,
+            "lost_messages": sum(self.listener.lost.values()),
         }

@@ -1,0 +1,96 @@
+"""One worker 4x slower: do asynchronous strategies keep the throughput that `sync` loses, and still learn?
+
+    .venv/bin/python bench/stragglers.py [--out DIR] [--time 120s] [--target 0.85]
+                                         [--variants sync async-ps ad-psgd push-sum gossip-ring]
+
+Fashion-MNIST, LeNet-5, 4 local workers, batch 64 each, SGD (lr 0.05, momentum 0.9), native communication;
+`[compute] slowdown = [1, 1, 1, 4]`: worker 3 sleeps 3x its measured compute time at every step, so its steps
+take 4x as long. Every variant trains for the same time (`run.max_time`; evaluation off the clock), through
+`fast compare` (same seed, initial weights and data partition; report.html beside the runs). Asynchronous
+workers end on their own clock, so a fast worker's extra steps count; lock-step variants end together.
+
+samples/s is every worker's samples over the run's wall time. Targets of the issue: `async-ps` and the
+asynchronous gossip variants process at least 2x the samples/s of `sync` and still reach the target test
+accuracy. D-PSGD (`gossip-ring`) is lock-step with its neighbours, hence with everyone: it is shown for
+reference, bounded by the straggler like `sync`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fast
+
+TARGET_THROUGHPUT = 2.0
+ASYNCHRONOUS = ("async-ps", "ad-psgd", "push-sum")
+
+BASE: dict[str, Any] = {
+    "run": {"name": "stragglers", "seed": 0, "workers": 4, "batch_size": 64, "epochs": 20, "eval_every": 0.25},
+    "data": {"name": "fashion-mnist", "partition": "iid"},
+    "model": {"name": "lenet"},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    "compute": {"slowdown": [1, 1, 1, 4]},
+}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sync": {"strategy": {"name": "sync"}},
+    "async-ps": {"strategy": {"name": "async-ps", "servers": 1}},
+    "ad-psgd": {"strategy": {"name": "ad-psgd", "topology": "ring"}},
+    "push-sum": {"strategy": {"name": "push-sum", "topology": "ring"}},
+    "gossip-ring": {"strategy": {"name": "gossip", "topology": "ring"}},
+}
+
+
+def job(names: list[str], target: float, max_time: str) -> dict[str, Any]:
+    run = {**BASE["run"], "targets": [target], "max_time": max_time}
+    return {**BASE, "run": run, "variant": [{"name": name, **VARIANTS[name]} for name in names]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder of the runs and report.html")
+    parser.add_argument("--time", default="120s", help="training time of every variant")
+    parser.add_argument("--target", type=float, default=0.85)
+    parser.add_argument("--variants", nargs="+", default=["sync", "async-ps", "ad-psgd", "gossip-ring"])
+    args = parser.parse_args()
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown or "sync" not in args.variants:
+        parser.error(f"--variants must include sync and come from {', '.join(VARIANTS)} (got {unknown or 'no sync'})")
+    out = args.out or Path(tempfile.mkdtemp(prefix="fast-bench-stragglers-"))
+    comparison = fast.compare(job(args.variants, args.target, args.time), out)
+
+    summaries = {o.name: json.loads((o.run_dir / "summary.json").read_text()) for o in comparison.outcomes}
+    sync_rate = summaries["sync"].get("samples_per_s")
+    key = f"{args.target:g}"
+    print(f"\n4 workers, worker 3 4x slower, {args.time} of training each; target test accuracy {key}")
+    header = f"{'variant':<12} {'samples/s':>10} {'vs sync':>8} {'steps w0':>9} {'best acc':>9} {'to target':>11}"
+    print(f"{header}  verdict")
+    verdicts = []
+    for name, summary in summaries.items():
+        rate = summary.get("samples_per_s")
+        ratio = rate / sync_rate if rate and sync_rate else None
+        reached = (summary.get("time_to_accuracy_s") or {}).get(key)
+        best = summary.get("best_test_accuracy") or 0.0
+        verdict = ""
+        if name in ASYNCHRONOUS:
+            ok = ratio is not None and ratio >= TARGET_THROUGHPUT and reached is not None
+            verdicts.append(ok)
+            verdict = "met" if ok else "NOT met"
+        print(
+            f"{name:<12} {rate or 0:>10.0f} {f'{ratio:.2f}x' if ratio else '-':>8} "
+            f"{summary.get('steps_per_worker') or 0:>9} {best:>9.4f} "
+            f"{f'{reached:.1f} s' if reached is not None else 'not reached':>11}  {verdict}"
+        )
+    print(
+        f"asynchronous variants at >= {TARGET_THROUGHPUT:g}x sync's samples/s and reaching {key}: "
+        f"{sum(verdicts)} of {len(verdicts)}"
+    )
+    print(f"report: {comparison.report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Injected faults (`[faults]`) under strategies that survive them: the crash is recorded and the run completes."""
+
+import json
+
+import pytest
+
+import fast
+from fast.launch import WorkerFailed
+
+JOB = {
+    "data__name": "digits",
+    "model__name": "mlp",
+    "run__workers": 4,
+    "run__epochs": 3,
+    "run__batch_size": 32,
+    "run__eval_every": 1.0,
+    "run__deadline_s": 5.0,
+    "optimizer__lr": 0.05,
+    "network__bandwidth": "1Gbit",
+    "network__latency": "1ms",
+}
+
+
+@pytest.mark.parametrize("crash", [{"worker": 2, "step": 10}, {"worker": 1, "time": "1s"}], ids=["step", "time"])
+def test_an_injected_crash_under_gossip_is_survived_and_recorded(tmp_path, no_orphans, crash):
+    job = {**JOB, "run__epochs": 20} if "time" in crash else JOB  # long enough to be running at 1 s
+    summary = fast.train(
+        None, out=str(tmp_path), strategy__name="gossip", strategy__topology="ring", faults__crash=[crash], **job
+    )
+    assert [f["worker"] for f in summary["failures"]] == [crash["worker"]]
+    assert summary["final_test_accuracy"] > 0.85
+    assert summary["evaluations"][-1]["step"] == summary["steps_per_worker"]
+    events = (tmp_path / "workers" / f"metrics-{crash['worker']}.jsonl").read_text().splitlines()
+    assert json.loads(events[-1])["fault"] == "crash"  # the crash itself is recorded by the crashing worker
+
+
+def test_an_injected_crash_under_sync_ends_the_run_with_a_clear_error(tmp_path, no_orphans):
+    with pytest.raises(WorkerFailed, match="worker 2"):
+        fast.train(None, out=str(tmp_path), strategy__name="sync", faults__crash=[{"worker": 2, "step": 5}], **JOB)

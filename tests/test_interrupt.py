@@ -1,0 +1,111 @@
+"""Ctrl-C: `fast train` interrupted mid-run stops every process at once, says so in one line, keeps the work done
+so far (per-worker metrics, checkpoints), and the run resumes right away on the same port."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fast import checkpoint, engine
+
+FAST = str(Path(sys.executable).with_name("fast"))  # the command line of this venv
+EVERY = 50  # checkpoint_every: Ctrl-C comes after the checkpoint of step 50, long before the one of step 100
+JOB = {
+    "data.name": "digits",
+    "model.name": "mlp",
+    "run.workers": 2,
+    "run.epochs": 100,  # far more than the test waits for
+    "run.batch_size": 32,
+    "run.log_every": 1,
+    "run.eval_every": 0,
+    "run.checkpoint_every": EVERY,
+}
+
+
+def _sets(options: dict) -> list[str]:
+    return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+
+
+def left_in_session(sid: int) -> list[str]:
+    """Live processes of session `sid` (the command and everything it started, however far down)."""
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:160]}")
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return left
+
+
+def _steps(run: Path, rank: int) -> list[int]:
+    path = run / "workers" / f"metrics-{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.parametrize("launcher", [{}, {"run.max_restarts": 2}], ids=["local", "elastic-agent"])
+def test_ctrl_c_stops_every_process_at_once_with_one_line_and_the_run_resumes_on_the_same_port(
+    tmp_path, no_orphans, launcher
+):
+    run = tmp_path / "run"
+    job = {**JOB, **launcher, "run.master_port": engine.free_port()}
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    # a session of its own, as a terminal's job: Ctrl-C signals its whole process group, workers included
+    proc = subprocess.Popen(
+        [FAST, "train", "--out", str(run), *_sets(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(_steps(run, 0)) < EVERY + 5 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130
+    assert took < 10, f"{took:.1f}s to stop"
+    hint = f"; continue with: fast train --resume {run}"
+    assert err.splitlines() == [f"fast: error: interrupted (Ctrl-C): every worker was stopped{hint}"], err
+    stop = time.monotonic() + 5
+    while left_in_session(proc.pid) and time.monotonic() < stop:
+        time.sleep(0.1)
+    assert not left_in_session(proc.pid)
+    # the work done so far is kept: each worker's metrics, step by step, and its checkpoint of step 50
+    for rank in (0, 1):
+        steps = _steps(run, rank)
+        assert steps[: EVERY + 1] == list(range(1, EVERY + 2)) and len(steps) < 100 * 22
+        assert checkpoint.load(checkpoint.checkpoint_path(run, rank, EVERY))["step"] == EVERY
+    # right away, on the same port (the elastic agent's rendezvous listens on it): resume for 10 steps more
+    resumed = subprocess.run(
+        [FAST, "train", "--resume", str(run), *_sets({"run.max_steps": EVERY + 10})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (
+        summary["steps_per_worker"] == EVERY + 10 and summary["config"]["run"]["master_port"] == job["run.master_port"]
+    )
+    merged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in merged if r["worker"] == 0 and "loss" in r] == list(range(1, EVERY + 11))
