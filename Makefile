@@ -43,6 +43,7 @@ bench: setup data  # about 45 minutes on 2 cores; each script prints its ratios 
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -12,8 +12,13 @@ from fast.errors import ConfigError
 
 def test_defaults_are_the_documented_job():
     c = load_config()
-    assert (c.run.workers, c.run.epochs, c.run.batch_size, c.data.name, c.model.name) == (4, 3, 64, "fashion-mnist",
-                                                                                         "lenet")
+    assert (c.run.workers, c.run.epochs, c.run.batch_size, c.data.name, c.model.name) == (
+        4,
+        3,
+        64,
+        "fashion-mnist",
+        "lenet",
+    )
     assert c.strategy.name == "sync" and c.run.targets == [0.80, 0.85]
 
 

@@ -6,13 +6,38 @@ from hypothesis import strategies as st
 
 from fast.cli import main
 
-NUMERIC = {"run": ["seed", "workers", "epochs", "batch_size", "eval_every", "log_every", "deadline_s",
-                   "checkpoint_every", "max_bad_steps"],
-           "optimizer": ["lr", "momentum", "weight_decay"], "data": ["alpha"]}
-NEGATIVE_IS_WRONG = [("run", "workers"), ("run", "epochs"), ("run", "batch_size"), ("optimizer", "lr"),
-                     ("run", "deadline_s"), ("data", "alpha"), ("optimizer", "momentum")]
-CHOICES = [("data", "name"), ("data", "partition"), ("model", "name"), ("optimizer", "name"), ("run", "device"),
-           ("strategy", "name")]
+NUMERIC = {
+    "run": [
+        "seed",
+        "workers",
+        "epochs",
+        "batch_size",
+        "eval_every",
+        "log_every",
+        "deadline_s",
+        "checkpoint_every",
+        "max_bad_steps",
+    ],
+    "optimizer": ["lr", "momentum", "weight_decay"],
+    "data": ["alpha"],
+}
+NEGATIVE_IS_WRONG = [
+    ("run", "workers"),
+    ("run", "epochs"),
+    ("run", "batch_size"),
+    ("optimizer", "lr"),
+    ("run", "deadline_s"),
+    ("data", "alpha"),
+    ("optimizer", "momentum"),
+]
+CHOICES = [
+    ("data", "name"),
+    ("data", "partition"),
+    ("model", "name"),
+    ("optimizer", "name"),
+    ("run", "device"),
+    ("strategy", "name"),
+]
 IMPOSSIBLE = [
     {"run": {"workers": 4}, "strategy": {"name": "sync", "hierarchical": 3}},
     {"run": {"targets": [0.5, 2.0]}},
@@ -23,14 +48,18 @@ BASE = {"run": {"workers": 2, "epochs": 1}, "data": {"name": "digits"}, "model":
 
 table_key = st.sampled_from([(t, k) for t, keys in NUMERIC.items() for k in keys])
 mutations = st.one_of(
-    st.tuples(st.just("unknown"), st.sampled_from(["run", "data", "model", "optimizer", "strategy"]),
-              st.text("abcdefghijklmnopqrstuvwxyz_", min_size=3, max_size=12)),
+    st.tuples(
+        st.just("unknown"),
+        st.sampled_from(["run", "data", "model", "optimizer", "strategy"]),
+        st.text("abcdefghijklmnopqrstuvwxyz_", min_size=3, max_size=12),
+    ),
     st.tuples(st.just("wrong-type"), table_key, st.sampled_from(["many", "", "1e", "[1]", "true-ish"])),
     st.tuples(st.just("negative"), st.sampled_from(NEGATIVE_IS_WRONG), st.floats(-1e6, -1e-3)),
     st.tuples(st.just("choice"), st.sampled_from(CHOICES), st.text("xyz-0123456789", min_size=1, max_size=10)),
     st.tuples(st.just("impossible"), st.sampled_from(range(len(IMPOSSIBLE))), st.none()),
-    st.tuples(st.just("toml"), st.sampled_from(["[run", "workers = = 2", "[run]\nworkers = '2\n", "x = [1,"]),
-              st.none()),
+    st.tuples(
+        st.just("toml"), st.sampled_from(["[run", "workers = = 2", "[run]\nworkers = '2\n", "x = [1,"]), st.none()
+    ),
 )
 
 

@@ -7,9 +7,7 @@ from fast.models import build_model
 from fast.strategies import strategy_class
 
 
-def test_the_example_strategy_registers_and_averages_the_replicas_with_a_ring_all_reduce(
-    tmp_path, no_orphans
-):
+def test_the_example_strategy_registers_and_averages_the_replicas_with_a_ring_all_reduce(tmp_path, no_orphans):
     assert strategy_class("ring-average") is RingAverage
     workers, every = 3, 4
     summary = fast.train(

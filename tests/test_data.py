@@ -63,8 +63,7 @@ def test_synthetic_classes_are_separable_by_nearest_class_mean():
 
 
 @pytest.mark.skipif(
-    not (FASHION_MNIST_DEBIAN_DIR / "train-images-idx3-ubyte.gz").is_file()
-    and "FAST_DATA_DIR" not in os.environ,
+    not (FASHION_MNIST_DEBIAN_DIR / "train-images-idx3-ubyte.gz").is_file() and "FAST_DATA_DIR" not in os.environ,
     reason="fashion-mnist is not installed (apt-get install dataset-fashion-mnist, or set FAST_DATA_DIR)",
 )
 def test_fashion_mnist_loads_sixty_thousand_train_and_ten_thousand_test():
@@ -142,15 +141,11 @@ def test_partition_is_deterministic_by_seed_and_seeds_differ():
         again = partition(labels, 5, scheme, seed=7)
         other = partition(labels, 5, scheme, seed=8)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-        assert not all(len(a) == len(b) and torch.equal(a, b) for a, b in zip(first, other, strict=True)), (
-            scheme
-        )
+        assert not all(len(a) == len(b) and torch.equal(a, b) for a, b in zip(first, other, strict=True)), scheme
 
 
 def label_distributions(labels, shards, classes=10):
-    return torch.stack(
-        [torch.bincount(labels[shard], minlength=classes).float() / len(shard) for shard in shards]
-    )
+    return torch.stack([torch.bincount(labels[shard], minlength=classes).float() / len(shard) for shard in shards])
 
 
 def test_dirichlet_small_alpha_skews_labels_and_large_alpha_is_near_uniform():

@@ -1,8 +1,12 @@
 """Injected faults (`[faults]`) under strategies that survive them: the crash is recorded and the run completes."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
+import torch
 
 import fast
 from fast.launch import WorkerFailed
@@ -37,3 +41,34 @@ def test_an_injected_crash_under_gossip_is_survived_and_recorded(tmp_path, no_or
 def test_an_injected_crash_under_sync_ends_the_run_with_a_clear_error(tmp_path, no_orphans):
     with pytest.raises(WorkerFailed, match="worker 2"):
         fast.train(None, out=str(tmp_path), strategy__name="sync", faults__crash=[{"worker": 2, "step": 5}], **JOB)
+
+
+def _freezes_at_step_10_on_worker_2(model, x, y):
+    _freezes_at_step_10_on_worker_2.calls += 1
+    if os.environ["RANK"] == "2" and _freezes_at_step_10_on_worker_2.calls == 10:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent for ever, as a hung machine
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+_freezes_at_step_10_on_worker_2.calls = 0
+
+
+@pytest.mark.parametrize("strategy", ["gossip", "async-ps"])
+def test_a_frozen_worker_never_keeps_the_run_open(tmp_path, no_orphans, strategy):
+    """SIGSTOP: alive to the kernel, silent to its peers. The run ends within a bounded time, having either
+    dropped the frozen worker or stopped with an error; no process is left behind (a frozen peer stalls its
+    neighbours, whose own peers may then time out on them, so which of the two happens is not fixed)."""
+    started = time.monotonic()
+    try:
+        summary = fast.train(
+            None,
+            out=str(tmp_path),
+            step_fn=_freezes_at_step_10_on_worker_2,
+            strategy__name=strategy,
+            **{**JOB, "run__deadline_s": 2.0},
+        )
+    except WorkerFailed as error:
+        assert len(str(error).splitlines()) == 1
+    else:
+        assert 2 in [f["worker"] for f in summary["failures"]]
+    assert time.monotonic() - started < 45

@@ -63,9 +63,7 @@ def write_run(
                 record["test_loss"] = 2.3 * (1 - step / steps) + 0.3
             records.append(record)
         if divergence is not None:
-            records.append(
-                {"worker": 0, "step": step, "time_s": step / speed, "divergence": divergence * step / steps}
-            )
+            records.append({"worker": 0, "step": step, "time_s": step / speed, "divergence": divergence * step / steps})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     wall_time = steps / speed
     reached = {
@@ -113,9 +111,7 @@ def write_run(
 def run_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     root = tmp_path_factory.mktemp("runs")
     return [
-        write_run(
-            root / "sync", "sync-allreduce", "sync", speed=20, final_accuracy=0.912, bytes_per_step=4_000_000
-        ),
+        write_run(root / "sync", "sync-allreduce", "sync", speed=20, final_accuracy=0.912, bytes_per_step=4_000_000),
         write_run(
             root / "async",
             "async-ps",
@@ -225,9 +221,7 @@ def test_rich_table_lists_every_variant(run_dirs: list[Path]) -> None:
 def test_run_without_metrics_or_optional_keys_renders_no_data_notes(tmp_path: Path) -> None:
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "summary.json").write_text(
-        json.dumps({"name": "bare", "strategy": "sync", "final_test_accuracy": None})
-    )
+    (bare / "summary.json").write_text(json.dumps({"name": "bare", "strategy": "sync", "final_test_accuracy": None}))
     html = build_report([bare], tmp_path / "out" / "report.html").read_text()
     assert "data:image/png" not in html
     assert html.count('class="nodata"') == len(FIGURE_TITLES)

@@ -1,9 +1,10 @@
-"""Resume: an interrupted `sync` or `async-ps` run resumed with `--resume` picks up its checkpoints (the servers'
-snapshots too) from the newest step every process holds and ends as the uninterrupted run would; checkpoints are
-atomic, kept two per process, and load with weights_only."""
+"""Resume: an interrupted `sync`, `async-ps`, asynchronous `easgd` or `ea-wild` run resumed with `--resume` picks up
+its checkpoints (the servers' and masters' snapshots too) from the newest step every process holds and ends as the
+uninterrupted run would; checkpoints are atomic, kept two per process, and load with weights_only."""
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import fast
 from fast import checkpoint
 from fast.launch import WorkerFailed
 from fast.strategies.async_ps import AsyncPSOptions, ShardState, Snapshots
+from fast.strategies.easgd import CenterSnapshots, CenterState
 
 JOB = {
     "data__name": "digits",
@@ -283,3 +285,173 @@ def test_a_checkpoint_is_replaced_atomically_and_loads_with_weights_only(tmp_pat
     checkpoint.save_atomic({"step": 15, "object": _NotWeights()}, path)  # pickled objects are refused on load
     with pytest.raises(Exception, match="(?i)weights.only"):
         checkpoint.load(path)
+
+
+# -- easgd (async) and ea-wild: the master's snapshots of its center ----------------------------------------------
+EASGD = {"strategy__name": "easgd", "strategy__variant": "async", "strategy__tau": 2}
+EA_WILD = {"strategy__name": "ea-wild"}  # tau = 1: an exchange every step
+MASTERS = [pytest.param(EASGD, id="easgd-async"), pytest.param(EA_WILD, id="ea-wild")]
+
+
+def _exchanges(strategy: dict, steps: int) -> int:
+    """A worker's exchanges in its first `steps` steps: easgd's at steps tau, 2 tau, ... (0-based), ea-wild's at
+    every step."""
+    return (steps - 1) // strategy["strategy__tau"] if strategy is EASGD else steps
+
+
+def _master_snapshot(run_dir, step: int, master: int) -> dict:
+    state = checkpoint.load(checkpoint.checkpoint_path(run_dir, master, step, server=True))["strategy"]
+    assert state["step"] == step
+    return state["center"]
+
+
+@pytest.mark.parametrize("strategy", MASTERS)
+def test_interrupted_and_resumed_master_with_one_worker_ends_with_exactly_the_uninterrupted_weights(
+    tmp_path, monkeypatch, no_orphans, strategy
+):
+    """One worker makes the master deterministic. The resumed run must continue from the master's snapshot of
+    its center (which moved on with the worker's last exchange, so the worker's own copy differs), or its
+    weights would differ from the uninterrupted run's."""
+    job = {**JOB, **strategy, "run__workers": 1, "run__epochs": 1}
+    whole = fast.train(None, out=str(tmp_path / "whole"), **job)
+    monkeypatch.setenv("CRASH_AT", "17")  # after the checkpoint of step 15
+    monkeypatch.setenv("CRASH_RANK", "0")  # rank 0's death ends the run (another's would not)
+    with pytest.raises(WorkerFailed, match="worker 0 exited with code 9"):
+        fast.train(None, out=str(tmp_path / "cut"), step_fn=_crash_once, **job)
+    folder = tmp_path / "cut" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "server1-step10.pt",
+        "server1-step15.pt",
+        "worker0-step10.pt",
+        "worker0-step15.pt",
+    ]
+    snapshot = _master_snapshot(tmp_path / "cut", 15, master=1)
+    exchanges = _exchanges(strategy, 15)
+    assert snapshot["updates"].tolist() == snapshot["seen"].tolist() == [exchanges]
+    assert snapshot["staleness"].tolist() == [0] * exchanges
+    worker = checkpoint.load(folder / "worker0-step15.pt")
+    assert not torch.equal(snapshot["center"], worker["strategy"]["center"])
+    monkeypatch.delenv("CRASH_AT")
+    resumed = fast.train(resume=str(tmp_path / "cut"))
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["center_updates"] == whole["center_updates"] == _exchanges(strategy, whole["steps_per_worker"])
+    assert resumed["staleness_histogram"] == whole["staleness_histogram"]
+    assert resumed["final_test_accuracy"] == whole["final_test_accuracy"] > 0.8
+    assert resumed["bytes_sent"] == whole["bytes_sent"]
+    # the resumed master's later snapshots are exactly the uninterrupted master's
+    steps = checkpoint.saved_steps(tmp_path / "whole", 1, server=True)
+    assert len(steps) == 2 and checkpoint.saved_steps(tmp_path / "cut", 1, server=True) == steps
+    for step in steps:
+        theirs, ours = _master_snapshot(tmp_path / "whole", step, 1), _master_snapshot(tmp_path / "cut", step, 1)
+        assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs), step
+
+
+@pytest.mark.parametrize("strategy", MASTERS)
+def test_with_two_workers_the_master_resumes_from_its_snapshot_of_the_common_step(tmp_path, no_orphans, strategy):
+    """A run stopped at step 20 (run.max_steps). Its master's snapshot of step 15 holds exactly both workers'
+    exchanges of their first 15 steps; a resume for no more steps reports that very center, and a resume for
+    the whole run makes each exchange once, none twice."""
+    fast.train(None, out=str(tmp_path), run__max_steps=20, **JOB, **strategy)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        f"{kind}{rank}-step{step}.pt"
+        for kind, rank in [("server", 2), ("worker", 0), ("worker", 1)]
+        for step in (10, 15)
+    ]
+    snapshot = _master_snapshot(tmp_path, 15, master=2)
+    exchanges = _exchanges(strategy, 15)
+    assert snapshot["updates"].tolist() == [exchanges, exchanges]  # a consistent cut
+    assert len(snapshot["staleness"]) == 2 * exchanges
+    fast.train(resume=str(tmp_path), run__max_steps=15)  # resumed at step 15 and ended there: the master's center
+    model = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert torch.equal(_flat(model), snapshot["center"])
+    resumed = fast.train(resume=str(tmp_path), run__max_steps=1000)
+    total = resumed["steps_per_worker"]
+    assert total == 2 * 22  # two epochs of 22 steps
+    assert resumed["center_updates"] == 2 * _exchanges(strategy, total)  # every exchange once, none twice
+    assert sum(resumed["staleness_histogram"].values()) == resumed["center_updates"]
+    assert resumed["final_test_accuracy"] > 0.8
+    assert resumed["evaluations"][-1]["step"] == total
+
+
+@pytest.mark.parametrize("strategy", MASTERS)
+def test_a_dead_worker_does_not_hold_back_the_masters_snapshots(tmp_path, monkeypatch, no_orphans, strategy):
+    """Worker 1 dies at its step 12; the master's snapshots go on without it and hold its exchanges up to then."""
+    monkeypatch.setenv("CRASH_AT", "12")  # worker 1 exits in its step 11 (0-based), after its checkpoint of 10
+    summary = fast.train(None, out=str(tmp_path), step_fn=_crash_once, **JOB, **strategy, run__deadline_s=5.0)
+    assert [f["worker"] for f in summary["failures"]] == [1]
+    total = summary["steps_per_worker"]
+    last = (total - 1) // 5 * 5  # the last checkpoint, before the last step
+    assert checkpoint.saved_steps(tmp_path, 1) == [5, 10]
+    assert checkpoint.saved_steps(tmp_path, 2, server=True) == checkpoint.saved_steps(tmp_path, 0) == [last - 5, last]
+    updates = _master_snapshot(tmp_path, last, master=2)["updates"].tolist()
+    assert updates[0] == _exchanges(strategy, last)
+    # worker 1's exchanges before its death: ea-wild's of step 11 left before the step, and may have arrived
+    assert updates[1] in (_exchanges(strategy, 11), _exchanges(strategy, 12))
+    assert summary["final_test_accuracy"] > 0.8
+
+
+def test_a_master_snapshot_holds_exactly_the_exchanges_sent_before_each_senders_marker(tmp_path):
+    w = [torch.full((3,), float(i + 1)) for i in range(5)]
+    live = CenterState(torch.zeros(3), senders=2)
+    snapshots = CenterSnapshots(live, senders=2)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    def exchange(sender: int, weights: torch.Tensor) -> None:
+        with snapshots.applying(sender) as states:
+            for state in states:
+                state.apply(sender, weights, 0.25)
+
+    def save(gone: set[int]) -> list[int]:
+        return snapshots.save_complete(gone, lambda step, state: saved.__setitem__(step, state.state_dict()))
+
+    exchange(0, w[0])
+    exchange(1, w[1])
+    snapshots.mark(0, 5)  # sender 0 reached its checkpoint of step 5; sender 1 has not
+    exchange(0, w[2])  # after sender 0's marker: not in the snapshot of step 5
+    exchange(1, w[3])  # before sender 1's marker: in it
+    assert save(gone=set()) == []  # sender 1 holds it back
+    snapshots.mark(1, 5)
+    assert save(gone=set()) == [5] and snapshots.committed == 5 and not snapshots.pending
+
+    expected = CenterState(torch.zeros(3), senders=2)  # only what each sent before its marker, in arrival order
+    for sender, weights in [(0, w[0]), (1, w[1]), (1, w[3])]:
+        expected.apply(sender, weights, 0.25)
+    for key, value in expected.state_dict().items():
+        assert torch.equal(saved[5][key], value), key
+    assert saved[5]["updates"].tolist() == [1, 2] and live.updates == [2, 2]
+    assert saved[5]["staleness"].tolist() == [0, 1, 0] and live.staleness == [0, 1, 1, 1]
+
+    # a copy waits for an exchange being applied, so that it holds all of it or none
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_exchange() -> None:
+        with snapshots.applying(1) as states:
+            inside.set()
+            release.wait(5)
+            for state in states:
+                state.apply(1, w[4], 0.25)
+
+    applying = threading.Thread(target=slow_exchange)
+    applying.start()
+    assert inside.wait(5)
+    marking = threading.Thread(target=snapshots.mark, args=(0, 10))
+    marking.start()
+    marking.join(0.3)
+    assert marking.is_alive()  # waiting for the exchange under way
+    release.set()
+    applying.join(5)
+    marking.join(5)
+    assert not marking.is_alive() and torch.equal(snapshots.pending[10].center, live.center)
+
+    # sender 1 dies before its marker of step 10: the snapshot completes without it
+    assert save(gone={1}) == [10]
+    assert torch.equal(saved[10]["center"], live.center) and saved[10]["updates"].tolist() == [2, 3]
+    # a snapshot round-trips through a file loaded with weights_only
+    checkpoint.save_atomic({"step": 10, "center": saved[10]}, tmp_path / "server.pt")
+    loaded = CenterState(torch.zeros(3), senders=2)
+    loaded.load_state_dict(checkpoint.load(tmp_path / "server.pt")["center"])
+    assert torch.equal(loaded.center, live.center)
+    assert (loaded.updates, loaded.seen, loaded.staleness) == (live.updates, live.seen, live.staleness)

@@ -77,9 +77,7 @@ def round_matrix(rounds: GossipRounds, size: int, r: int) -> torch.Tensor:
         ({"schedule": "exponential-one-peer"}, False),
     ],
 )
-def test_every_round_mixes_with_a_doubly_stochastic_matrix_and_partial_rounds_drop_channels(
-    strategy, symmetric
-):
+def test_every_round_mixes_with_a_doubly_stochastic_matrix_and_partial_rounds_drop_channels(strategy, symmetric):
     config = config_with({"name": "gossip", **strategy}, workers=9)
     rounds = GossipRounds(strategy_options(config), 9, seed=3)
     ones = torch.ones(9, dtype=torch.float64)
@@ -99,9 +97,7 @@ def test_every_round_mixes_with_a_doubly_stochastic_matrix_and_partial_rounds_dr
         share = sum(links_per_round) / (40 * len(rounds.topology.edges))
         assert 0 < share < 0.8  # every option here drops channels, but not all of them
     else:
-        full = (
-            4 if rounds.schedule.symmetric else 9
-        )  # pairs in a matching of 9; one-way links of a one-peer round
+        full = 4 if rounds.schedule.symmetric else 9  # pairs in a matching of 9; one-way links of a one-peer round
         mean = sum(links_per_round) / 40
         assert (0 < mean < full) if strategy.get("send_probability", 1) < 1 else mean == full
 

@@ -113,6 +113,7 @@ DEADLINE_S = 1.0
 def _silent_and_dead_peers(comm):
     """Rank 3 dies; rank 2 stays alive but never receives or finishes; rank 1 behaves."""
     channel = Channel(comm)
+    channel.comm.barrier()  # every pair of the channel is connected before rank 3 dies
     if comm.rank == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     if comm.rank == 2:

@@ -14,8 +14,9 @@ STEPS, BATCH = 5, 8
 
 def _batches(workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, workers * BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (STEPS, workers * BATCH),
-                                                                                  generator=g)
+    return torch.randn(STEPS, workers * BATCH, 1, 8, 8, generator=g), torch.randint(
+        0, 10, (STEPS, workers * BATCH), generator=g
+    )
 
 
 def _train(comm: Comm | None, workers: int, momentum: float, hierarchical: int = 0) -> torch.Tensor:
@@ -26,10 +27,17 @@ def _train(comm: Comm | None, workers: int, momentum: float, hierarchical: int =
     strategy = None
     rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
     if comm is not None:
-        config = load_config(None, run__workers=workers, strategy__hierarchical=hierarchical,
-                             strategy__bucket_mb=0.01)
-        ctx = StrategyContext(comm=comm, world=comm, config=config, device=torch.device("cpu"), workers=workers,
-                              rank=rank, generator=torch.Generator(), steps_per_epoch=STEPS)
+        config = load_config(None, run__workers=workers, strategy__hierarchical=hierarchical, strategy__bucket_mb=0.01)
+        ctx = StrategyContext(
+            comm=comm,
+            world=comm,
+            config=config,
+            device=torch.device("cpu"),
+            workers=workers,
+            rank=rank,
+            generator=torch.Generator(),
+            steps_per_epoch=STEPS,
+        )
         strategy = build_strategy(config, ctx)
         strategy.setup(model, optimizer)
     per = x.shape[1] // size
@@ -45,8 +53,11 @@ def _train(comm: Comm | None, workers: int, momentum: float, hierarchical: int =
 
 def _variants(comm: Comm) -> dict[str, torch.Tensor]:
     n = comm.size
-    return {"sgd": _train(comm, n, 0.0), "momentum": _train(comm, n, 0.9),
-            "hierarchical": _train(comm, n, 0.9, hierarchical=2)}
+    return {
+        "sgd": _train(comm, n, 0.0),
+        "momentum": _train(comm, n, 0.9),
+        "hierarchical": _train(comm, n, 0.9, hierarchical=2),
+    }
 
 
 @pytest.mark.parametrize("workers", [2, 4])

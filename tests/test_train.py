@@ -9,8 +9,16 @@ import torch
 import fast
 from fast.launch import WorkerFailed
 
-DIGITS = {"data__name": "digits", "model__name": "mlp", "run__workers": 2, "run__epochs": 3, "run__batch_size": 32,
-          "run__eval_every": 1.0, "run__log_every": 5, "optimizer__lr": 0.05}
+DIGITS = {
+    "data__name": "digits",
+    "model__name": "mlp",
+    "run__workers": 2,
+    "run__epochs": 3,
+    "run__batch_size": 32,
+    "run__eval_every": 1.0,
+    "run__log_every": 5,
+    "optimizer__lr": 0.05,
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +31,21 @@ def test_sync_trains_digits_and_writes_the_documented_outputs(digits_run):
     summary, out = digits_run
     assert summary["final_test_accuracy"] > 0.85
     on_disk = json.loads((out / "summary.json").read_text())
-    for key in ("name", "strategy", "workers", "epochs", "final_test_accuracy", "final_test_loss",
-                "best_test_accuracy", "wall_time_s", "samples_per_s", "bytes_sent", "time_to_accuracy_s",
-                "config", "env"):
+    for key in (
+        "name",
+        "strategy",
+        "workers",
+        "epochs",
+        "final_test_accuracy",
+        "final_test_loss",
+        "best_test_accuracy",
+        "wall_time_s",
+        "samples_per_s",
+        "bytes_sent",
+        "time_to_accuracy_s",
+        "config",
+        "env",
+    ):
         assert key in on_disk, key
     assert on_disk["name"] == "digits-sync" and on_disk["strategy"] == "sync" and on_disk["workers"] == 2
     assert set(on_disk["time_to_accuracy_s"]) == {"0.8", "0.85"}
@@ -62,16 +82,24 @@ def _die_on_rank_1(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-@pytest.mark.parametrize(("step_fn", "message"), [(_fail_on_rank_1, "worker 1 failed: RuntimeError: boom"),
-                                                  (_die_on_rank_1, "worker 1 exited with code 3")])
+@pytest.mark.parametrize(
+    ("step_fn", "message"),
+    [(_fail_on_rank_1, "worker 1 failed: RuntimeError: boom"), (_die_on_rank_1, "worker 1 exited with code 3")],
+)
 def test_a_crashed_worker_ends_the_run_with_a_clear_error_and_no_orphan(tmp_path, no_orphans, step_fn, message):
     with pytest.raises(WorkerFailed, match=message):
         fast.train(None, out=str(tmp_path), step_fn=step_fn, **DIGITS)
 
 
 def test_custom_model_and_dirichlet_partition(tmp_path):
-    summary = fast.train(None, out=str(tmp_path), model_fn=_tiny_model, data__partition="dirichlet",
-                         data__alpha=0.5, **{**DIGITS, "run__epochs": 1})
+    summary = fast.train(
+        None,
+        out=str(tmp_path),
+        model_fn=_tiny_model,
+        data__partition="dirichlet",
+        data__alpha=0.5,
+        **{**DIGITS, "run__epochs": 1},
+    )
     assert summary["final_test_accuracy"] > 0.3
     assert set(torch.load(tmp_path / "model.pt", weights_only=True)) == {"1.weight", "1.bias"}
 

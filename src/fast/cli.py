@@ -60,9 +60,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fast", description="Flexible (A)synchronous Scalable Training")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser(
-        "train", help="train one job: fast train CONFIG.toml [--set key=value ...] [--out DIR]"
-    )
+    t = sub.add_parser("train", help="train one job: fast train CONFIG.toml [--set key=value ...] [--out DIR]")
     t.add_argument("config", nargs="?", help="TOML config (with --resume: defaults to the run's own config)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     t.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")

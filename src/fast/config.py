@@ -52,7 +52,7 @@ class RunConfig(Section):
             except ConfigError as e:
                 raise ValueError(str(e)) from None
             if seconds <= 0:
-                raise ValueError("must be a positive duration such as \"5min\"; leave it out for no limit")
+                raise ValueError('must be a positive duration such as "5min"; leave it out for no limit')
         return value
 
     @property
@@ -72,9 +72,7 @@ class DataConfig(Section):
     name: Literal["fashion-mnist", "mnist5k", "digits", "synthetic"] = "fashion-mnist"
     partition: Literal["iid", "dirichlet"] = "iid"
     alpha: float = Field(0.5, gt=0)
-    dir: str | None = Field(
-        None, description="folder of the idx files; default $FAST_DATA_DIR or the Debian one"
-    )
+    dir: str | None = Field(None, description="folder of the idx files; default $FAST_DATA_DIR or the Debian one")
     synthetic_train: int = Field(2048, ge=16)
     synthetic_test: int = Field(512, ge=16)
 
@@ -132,9 +130,7 @@ def _describe(error: ValidationError) -> str:
     key = ".".join(str(p) for p in first["loc"] if p != "__root__") or "config"
     kind = first["type"]
     if kind == "extra_forbidden":
-        return (
-            f"unknown key `{key}`: remove it or check its spelling (see the config reference in the README)"
-        )
+        return f"unknown key `{key}`: remove it or check its spelling (see the config reference in the README)"
     if kind == "missing":
         return f"missing key `{key}`: add it to the config"
     if kind == "literal_error":
@@ -182,8 +178,10 @@ def load_dict(path: str | Path) -> dict[str, Any]:
 def build_config(data: dict[str, Any]) -> Config:
     """Validate a nested dict into a Config, including strategy and codec options and cross-key checks."""
     if "variant" in data:
-        raise ConfigError("this config has [[variant]] tables: run it with `fast compare` (or `fast predict`), "
-                          "or remove them to train the base job")
+        raise ConfigError(
+            "this config has [[variant]] tables: run it with `fast compare` (or `fast predict`), "
+            "or remove them to train the base job"
+        )
     try:
         config = Config.model_validate(data)
     except ValidationError as e:

@@ -75,9 +75,7 @@ def load_dataset(
         return _load_digits(seed)
     if name == "synthetic":
         if synthetic_train < 1 or synthetic_test < 1:
-            raise ConfigError(
-                f"synthetic sizes must be positive, got train={synthetic_train} test={synthetic_test}"
-            )
+            raise ConfigError(f"synthetic sizes must be positive, got train={synthetic_train} test={synthetic_test}")
         if len(synthetic_shape) != 3 or min(synthetic_shape) < 1:
             raise ConfigError(f"synthetic_shape must be (C, H, W) with positive sizes, got {synthetic_shape}")
         return _make_synthetic(seed, synthetic_train, synthetic_test, tuple(synthetic_shape))
@@ -107,9 +105,7 @@ def partition(
             raise ConfigError(f"dirichlet alpha must be positive, got {alpha}")
         shards = _dirichlet_shards(labels.cpu().numpy(), workers, alpha, rng)
     else:
-        raise ConfigError(
-            f"unknown partition scheme {scheme!r}: choose one of {', '.join(PARTITION_SCHEMES)}"
-        )
+        raise ConfigError(f"unknown partition scheme {scheme!r}: choose one of {', '.join(PARTITION_SCHEMES)}")
     return [torch.from_numpy(shard.astype(np.int64)) for shard in shards]
 
 
@@ -123,9 +119,7 @@ def worker_shard(
     return TensorDataset(dataset.x_train[indices], dataset.y_train[indices])
 
 
-def _dirichlet_shards(
-    labels: np.ndarray, workers: int, alpha: float, rng: np.random.Generator
-) -> list[np.ndarray]:
+def _dirichlet_shards(labels: np.ndarray, workers: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
     for _ in range(DIRICHLET_MAX_DRAWS):
         shards: list[list[np.ndarray]] = [[] for _ in range(workers)]
         for label in np.unique(labels):
@@ -190,9 +184,7 @@ def _load_fashion_mnist(folder: str) -> Dataset:
             )
         arrays[key] = _read_idx(found)
     x_train, x_test = _normalised(arrays["x_train"][:, None], arrays["x_test"][:, None])
-    return Dataset(
-        "fashion-mnist", x_train, _labels(arrays["y_train"]), x_test, _labels(arrays["y_test"]), 10
-    )
+    return Dataset("fashion-mnist", x_train, _labels(arrays["y_train"]), x_test, _labels(arrays["y_test"]), 10)
 
 
 def _packaged_csv(package: str, relative_path: str, install_hint: str) -> tuple[np.ndarray, np.ndarray]:
@@ -203,9 +195,7 @@ def _packaged_csv(package: str, relative_path: str, install_hint: str) -> tuple[
     """
     spec = importlib.util.find_spec(package)
     locations = (spec.submodule_search_locations or []) if spec else []
-    path = next(
-        (Path(place) / relative_path for place in locations if (Path(place) / relative_path).is_file()), None
-    )
+    path = next((Path(place) / relative_path for place in locations if (Path(place) / relative_path).is_file()), None)
     if path is None:
         raise DataError(f"{relative_path} not found in the {package} package: run `{install_hint}`")
     text = zlib.decompress(path.read_bytes(), wbits=31).decode()
@@ -233,9 +223,7 @@ def _held_out_split(name: str, images: np.ndarray, labels: np.ndarray, test_size
     order = np.random.default_rng(seed).permutation(len(images))
     train, test = order[:-test_size], order[-test_size:]
     x_train, x_test = _normalised(images[train], images[test])
-    return Dataset(
-        name, x_train, _labels(labels[train]), x_test, _labels(labels[test]), int(labels.max()) + 1
-    )
+    return Dataset(name, x_train, _labels(labels[train]), x_test, _labels(labels[test]), int(labels.max()) + 1)
 
 
 @functools.lru_cache(maxsize=4)
@@ -246,12 +234,8 @@ def _make_synthetic(seed: int, train: int, test: int, shape: tuple[int, int, int
     """
     generator = torch.Generator().manual_seed(seed)
     channels, height, width = shape
-    coarse = torch.randn(
-        SYNTHETIC_CLASSES, channels, max(1, height // 4), max(1, width // 4), generator=generator
-    )
-    templates = torch.nn.functional.interpolate(
-        coarse, size=(height, width), mode="bilinear", align_corners=False
-    )
+    coarse = torch.randn(SYNTHETIC_CLASSES, channels, max(1, height // 4), max(1, width // 4), generator=generator)
+    templates = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
 
     def samples(count: int) -> tuple[np.ndarray, np.ndarray]:
         labels = torch.arange(count) % SYNTHETIC_CLASSES

@@ -31,6 +31,7 @@ from fast.errors import CommError, FastError
 
 GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
 SETTLE_S = 3.0  # seconds the others get to report after a first failure
+SURVIVOR_GRACE_S = 10.0  # seconds the survivors get to exit once rank 0 has ended a run that survives failures
 LINGER_S = 1.0  # under the elastic agent, seconds a worker that lost a peer waits before it ends (see below)
 
 
@@ -107,9 +108,7 @@ def launch(
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": str(threads),
-            "GLOO_SOCKET_IFNAME": "lo"
-            if addr.startswith("127.")
-            else os.environ.get("GLOO_SOCKET_IFNAME", ""),
+            "GLOO_SOCKET_IFNAME": "lo" if addr.startswith("127.") else os.environ.get("GLOO_SOCKET_IFNAME", ""),
             "FAST_STORE_FILE": os.path.join(store_dir, "store") if local else "",
             **(extra_env or {}),
         }
@@ -138,6 +137,10 @@ def launch(
                     fatal = not survivable or rank == 0
                     if proc.exitcode != 0 and fatal and settle_until is None:
                         settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
+                    elif survivable and rank == 0 and proc.exitcode == 0 and settle_until is None:
+                        # rank 0 wrote the outputs and released the survivors; one that is frozen (not dead,
+                        # not answering) must not keep the run open: it is stopped after the grace period
+                        settle_until = time.monotonic() + SURVIVOR_GRACE_S
                 outputs.update(_drain(results))
     except KeyboardInterrupt:
         interrupted = True
@@ -155,8 +158,19 @@ def launch(
     return outputs
 
 
-AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                   "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+AGENT_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @record
@@ -209,17 +223,34 @@ def _under_agent() -> Iterator[None]:
                     signal.signal(getattr(signal, name), handler)
 
 
-def launch_elastic(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, addr: str = "127.0.0.1", port: int,
-                   threads: int = 1, max_restarts: int = 1) -> dict[int, Any]:
+def launch_elastic(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    addr: str = "127.0.0.1",
+    port: int,
+    threads: int = 1,
+    max_restarts: int = 1,
+) -> dict[int, Any]:
     """Like `launch`, under torch's elastic agent: if any worker fails, all are restarted (up to `max_restarts`
     times) with TORCHELASTIC_RESTART_COUNT set, so that they resume from their last checkpoint."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"fast-{port}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", max_restarts=max_restarts,
-                          monitor_interval=0.2, start_method="forkserver", local_addr=addr)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"fast-{port}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{addr}:{port}",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="forkserver",
+        local_addr=addr,
+    )
     _context()  # the agent's workers come from the same preloaded fork server
     try:
         with _under_agent():
@@ -236,8 +267,11 @@ def launch_elastic(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, add
             text = str(message.get("message", "") if isinstance(message, dict) else message or "").strip()
             text = "" if text == "<NONE>" else text  # no error file: the process died without a word
             code = failure.exitcode
-            reason = text.splitlines()[0] if text else (
-                f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+            reason = (
+                text.splitlines()[0]
+                if text
+                else (f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+            )
             causes.append((reason.startswith(("CommError", "CommTimeout")), rank, reason))
         _, rank, reason = min(causes)  # a worker's own death or error explains its peers' lost connections
         raise WorkerFailed(f"worker {rank} failed and {max_restarts} restart(s) are used up: {reason}") from None

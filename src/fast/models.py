@@ -37,9 +37,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
 class MLP(nn.Module):
     """Flattened pixels through two ReLU hidden layers (256 and 128 wide)."""
 
-    def __init__(
-        self, input_shape: tuple[int, int, int], num_classes: int, hidden: tuple[int, int] = (256, 128)
-    ):
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, hidden: tuple[int, int] = (256, 128)):
         super().__init__()
         channels, height, width = input_shape
         self.layers = nn.Sequential(
@@ -144,9 +142,7 @@ class ResNet8(nn.Module):
     halve the resolution, so 8x8 inputs end at 2x2 and 28x28 at 7x7 before global average pooling.
     """
 
-    def __init__(
-        self, input_shape: tuple[int, int, int], num_classes: int, widths: tuple[int, ...] = (16, 32, 64)
-    ):
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, widths: tuple[int, ...] = (16, 32, 64)):
         super().__init__()
         channels = input_shape[0]
         self.stem = nn.Sequential(

@@ -26,8 +26,11 @@ def strategy_rows() -> list[tuple[str, str, str, str]]:
             default = "required" if field.is_required() else repr(field.default)
             text = f"`{key}` = {default}"
             keys.append(f"{text}: {field.description}" if field.description else text)
-        what = _first_line(inspect.getmodule(cls)).split(":", 1)[-1].strip() if name != "none" else (
-            "no communication at all: every worker trains alone (the upper bound of speed)")
+        what = (
+            _first_line(inspect.getmodule(cls)).split(":", 1)[-1].strip()
+            if name != "none"
+            else ("no communication at all: every worker trains alone (the upper bound of speed)")
+        )
         codecs = "all" if set(cls.codecs) == set(CODECS) else ", ".join(cls.codecs)
         rows.append((name, what, "; ".join(keys) or "—", codecs))
     return rows

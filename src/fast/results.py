@@ -70,7 +70,7 @@ def _own_figures(worker: Worker) -> dict[str, Any]:
         "strategy": worker.strategy.summary(),
         "steps": 0 if worker.is_server else worker.total_steps,
         "skipped_steps": worker.skipped_steps,
-        "time_s": worker.clock.now() if hasattr(worker, "clock") else 0.0,
+        "time_s": getattr(worker, "trained_s", 0.0),  # the clock at its last step (servers: 0)
         "compute_s": worker.machine.compute_s,
     }
     if emulated(worker.config):

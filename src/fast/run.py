@@ -75,8 +75,9 @@ def train(
     args = (config, run_dir, user, resume is not None)
     try:
         if config.run.max_restarts:
-            outputs = launch_elastic(worker_main, nprocs, args, addr=addr, port=port, threads=threads,
-                                     max_restarts=config.run.max_restarts)
+            outputs = launch_elastic(
+                worker_main, nprocs, args, addr=addr, port=port, threads=threads, max_restarts=config.run.max_restarts
+            )
         else:
             survivable = strategy_class(config.strategy.name).survives_failures
             outputs = launch(worker_main, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable)

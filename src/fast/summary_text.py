@@ -9,9 +9,7 @@ from rich.table import Table
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    table = Table(
-        title=f"{summary.get('name')} ({summary.get('strategy')}, {summary.get('workers')} workers)"
-    )
+    table = Table(title=f"{summary.get('name')} ({summary.get('strategy')}, {summary.get('workers')} workers)")
     table.add_column("figure")
     table.add_column("value", justify="right")
 

@@ -245,6 +245,9 @@ class Worker:
                 self._checkpoint(done)
             if done == self.total_steps:
                 break  # max_time ended the run at this step
+        # training time ends at the last step: the end of the run may wait for other workers (an asynchronous
+        # peer still training, rank 0 still evaluating), which is not this worker's training
+        self.trained_s = self.clock.now()
         self.strategy.end_of_run()
         if self.strategy.survives_failures:  # nothing collective: a dead worker could not take part
             if self.progress is not None:
@@ -367,8 +370,12 @@ class Worker:
                 divergence = None
         self.final = model
         correct, loss, n = stats.tolist()
-        result = {"step": step, "time_s": round(self.clock.now(), 4), "test_accuracy": correct / n,
-                  "test_loss": loss / n}
+        result = {
+            "step": step,
+            "time_s": round(self.clock.now(), 4),
+            "test_accuracy": correct / n,
+            "test_loss": loss / n,
+        }
         if divergence is not None:
             result["divergence"] = divergence
         self.evals.append(result)

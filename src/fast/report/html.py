@@ -126,9 +126,7 @@ def _deployment_section(runs: list[Run], deployment: dict | None) -> str:
                 '<p class="note">The runs were not all made on the same deployment; this is the first '
                 "run's. See each run's config for its own.</p>"
             )
-    items = [
-        f"<dt>{escape(_humanize(key))}</dt><dd>{_describe(value)}</dd>" for key, value in deployment.items()
-    ]
+    items = [f"<dt>{escape(_humanize(key))}</dt><dd>{_describe(value)}</dd>" for key, value in deployment.items()]
     if not any(key in deployment for key in DEPLOYMENT_SECTIONS):
         items.append("<dt>links</dt><dd>no link, compute or fault model configured (real local links)</dd>")
     return f'<section id="deployment"><h2>Deployment</h2><dl>{"".join(items)}</dl>{note}</section>'
@@ -206,10 +204,7 @@ def _table(rows: list[dict[str, Any]], columns: list[Column], colours: dict[str,
                 text = f'<span class="swatch" style="background:{colours[row["variant"]]}"></span>{text}'
             cells.append(f'<td class="{"num" if column.numeric else ""}">{text}</td>')
         body.append(f"<tr>{''.join(cells)}</tr>")
-    return (
-        f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
-        f"<tbody>{''.join(body)}</tbody></table></div>"
-    )
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
 def _figures_section(figures: list[ReportFigure]) -> str:
@@ -234,9 +229,7 @@ def _events_section(all_variants: list[Variant]) -> str:
         if isinstance(skipped, int) and skipped > 0:
             events.append(f"{skipped} skipped step{'s' if skipped != 1 else ''}")
         if events:
-            items.append(
-                f"<dt>{escape(v.label)}</dt><dd><ul>{''.join(f'<li>{e}</li>' for e in events)}</ul></dd>"
-            )
+            items.append(f"<dt>{escape(v.label)}</dt><dd><ul>{''.join(f'<li>{e}</li>' for e in events)}</ul></dd>")
     if not items:
         return ""
     return f'<section id="events"><h2>Failures and skipped steps</h2><dl>{"".join(items)}</dl></section>'
@@ -249,9 +242,7 @@ def _runs_section(all_variants: list[Variant]) -> str:
         strategy = {k: val for k, val in (config.get("strategy") or {}).items() if k != "name"}
         codec = config.get("codec") or {}
         codec_options = {k: val for k, val in codec.items() if k != "name"}
-        codec_text = escape(str(codec.get("name", MISSING))) + (
-            f" ({_inline(codec_options)})" if codec_options else ""
-        )
+        codec_text = escape(str(codec.get("name", MISSING))) + (f" ({_inline(codec_options)})" if codec_options else "")
         rows.append(
             f'<tr><td><span class="swatch" style="background:{v.colour}"></span>{escape(v.label)}</td>'
             f"<td><code>{escape(str(v.run.directory))}</code></td>"
@@ -277,8 +268,7 @@ def _environment(all_variants: list[Variant]) -> str:
     if not isinstance(env, dict) or not env:
         return ""
     same = all(
-        json.dumps(v.run.summary.get("env"), sort_keys=True) == json.dumps(env, sort_keys=True)
-        for v in all_variants
+        json.dumps(v.run.summary.get("env"), sort_keys=True) == json.dumps(env, sort_keys=True) for v in all_variants
     )
     scope = "all runs" if same else f"{escape(all_variants[0].label)} (the runs' environments differ)"
     items = "".join(f"<dt>{escape(_humanize(str(k)))}</dt><dd>{_inline(val)}</dd>" for k, val in env.items())

@@ -59,9 +59,7 @@ def variants(runs: list[Run], labels: list[str]) -> list[Variant]:
     palette = matplotlib.colormaps["tab10" if len(runs) <= 10 else "tab20"].colors
     styles = ["-", "--", ":", "-."]
     return [
-        Variant(
-            run, label, matplotlib.colors.to_hex(palette[i % len(palette)]), styles[i // len(palette) % 4]
-        )
+        Variant(run, label, matplotlib.colors.to_hex(palette[i % len(palette)]), styles[i // len(palette) % 4])
         for i, (run, label) in enumerate(zip(runs, labels, strict=True))
     ]
 
@@ -170,9 +168,7 @@ def _time_to_target_figure(all_variants: list[Variant], targets: list[float]) ->
                 # An empty slot would read as "zero seconds": say in words what happened instead.
                 word = "not reached" if value == series.NOT_REACHED else "no data"
                 axes.bar(x, 0, width=width, color=v.colour, label=v.label if j == 0 else None)
-                axes.text(
-                    x, label_height, word, rotation=90, ha="center", va="bottom", fontsize=7.5, color=v.colour
-                )
+                axes.text(x, label_height, word, rotation=90, ha="center", va="bottom", fontsize=7.5, color=v.colour)
         axes.set_xticks(range(len(targets)), [f"{t * 100:g}% test accuracy" for t in targets])
         axes.set_ylabel("seconds to reach target")
         axes.grid(axis="x", visible=False)
@@ -204,8 +200,4 @@ def _missing_note(per_variant: list[tuple[Variant, object]]) -> str:
 
 def _spans_decades(values: list[float], decades: float) -> bool:
     positive = [v for v in values if v > 0]
-    return (
-        len(positive) == len(values)
-        and bool(positive)
-        and math.log10(max(positive) / min(positive)) > decades
-    )
+    return len(positive) == len(values) and bool(positive) and math.log10(max(positive) / min(positive)) > decades

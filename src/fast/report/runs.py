@@ -73,9 +73,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
             # A run killed mid-write leaves a truncated last line; everything before it is still good.
             if number == len(lines):
                 break
-            raise DataError(
-                f"{path} line {number} is not JSON ({error}); remove the line or rerun"
-            ) from error
+            raise DataError(f"{path} line {number} is not JSON ({error}); remove the line or rerun") from error
         if isinstance(record, dict):
             records.append(record)
     return records

@@ -33,9 +33,7 @@ def registry() -> dict[str, type[Strategy]]:
 def strategy_class(name: str) -> type[Strategy]:
     known = registry()
     if name not in known:
-        raise ConfigError(
-            f"`strategy.name` = {name!r} is not a strategy: choose one of {', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"`strategy.name` = {name!r} is not a strategy: choose one of {', '.join(sorted(known))}")
     return known[name]
 
 

@@ -21,6 +21,23 @@ center; the other groups go on, and the run ends with the survivors. A group tra
 member's death ends its whole group (the others' all-reduce fails and they stop); the group holding rank 0
 cannot go on, since rank 0's death stays fatal. The step recorded is the steps the group had done at its
 last exchange.
+
+Checkpoints (`run.checkpoint_every = K`). The master checkpoints its state (`fast.strategies.easgd.CenterState`:
+the center, each group's updates, the updates each group knew of at its last exchange, the staleness records)
+without stopping anyone: after its step-N checkpoint (by then every exchange of its first N steps has
+completed), each leader sends the master a CHECKPOINT marker for step N on its own link, behind its exchanges
+(unmetered: not training traffic), and that group's handler reads it after applying those exchanges. The
+first marker for N makes the master copy its state; from then on an exchange from a group that has not sent
+its marker yet goes into both the live state and the copy, one from a group that has goes into the live state
+only (`fast.strategies.easgd.CenterSnapshots`; the handlers still update the live center, and a copy, without a
+lock among themselves, but a copy is only taken while no update is under way, so it never holds part of one).
+When every live group's marker is in, the copy holds exactly every group's exchanges of its first N steps and
+none later, and the master writes it (`server<rank>-step<N>.pt`, `server_checkpoints`). On resume every process
+resumes from the newest step all of them hold (`fast.checkpoint`), the master from its copy of that step, so
+the center goes on as it was at that step. Groups at their own pace may hold no step in common; then each
+process resumes from its own newest file (`stops_alone`): the center lacks the exchanges of a group ahead of
+the master's step since that step, and holds twice those of a group behind it up to that step. A group found
+dead (or done) holds no snapshot back: later ones hold its exchanges up to its end.
 """
 
 from __future__ import annotations
@@ -37,8 +54,9 @@ from fast.comm import Comm
 from fast.config import Config
 from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.easgd import CenterSnapshots, CenterState
 
-EXCHANGE, DONE = 1, 2
+EXCHANGE, DONE, CHECKPOINT = 1, 2, 3  # a header; CHECKPOINT is followed by the step (int64), EXCHANGE by weights
 TAG, FINAL_TAG = 21, 22
 
 
@@ -72,6 +90,7 @@ class EAWild(Strategy):
     collective_eval = False
     stops_alone = True
     survives_failures = True
+    server_checkpoints = True  # the master's snapshots (the module docstring)
 
     @classmethod
     def server_count(cls, options: EAWildOptions, workers: int) -> int:
@@ -88,11 +107,6 @@ class EAWild(Strategy):
             raise ConfigError(
                 f"`strategy.rho` = {options.rho:g}: the moving rate optimizer.lr * rho = "
                 f"{config.optimizer.lr * options.rho:g} must be below 1; lower rho"
-            )
-        if config.run.checkpoint_every:
-            raise ConfigError(
-                "`run.checkpoint_every` cannot be used with ea-wild: the master's center is not "
-                "checkpointed, so a resumed run would lose it; set it to 0"
             )
 
     # -- shared by workers and the master: the same groups, created in the same order ---------------------------
@@ -121,6 +135,7 @@ class EAWild(Strategy):
         self.link = self.links.get(self.ctx.rank)
         self.received_center = False
         self.pending: list[Any] = []
+        self.done_steps = 0
         if self.ctx.rank == 0:  # the master starts from the workers' common initial weights
             with self.world.unmetered():
                 self.link.send(self.center, self.master, tag=TAG)
@@ -152,6 +167,7 @@ class EAWild(Strategy):
             offset += p.numel()
 
     def after_optimizer_step(self, step: int) -> None:
+        self.done_steps = step + 1
         if step % self.options.tau:
             return
         for handle in self.pending:
@@ -184,6 +200,24 @@ class EAWild(Strategy):
             self.group.broadcast(self.center, src=self.leader)
         load_flat(self.model, self.center)
 
+    def state_dict(self) -> dict[str, Any]:
+        """A worker's part of a checkpoint: the last center it received. Called at a checkpoint step, when its
+        exchanges so far have completed, a leader first sends the master its CHECKPOINT marker for that step."""
+        if self.link is not None:
+            with self.link.unmetered():
+                self.link.send(torch.tensor([CHECKPOINT], dtype=torch.int64), self.master, tag=TAG)
+                self.link.send(torch.tensor([self.done_steps], dtype=torch.int64), self.master, tag=TAG)
+        return {"center": self.center.clone(), "received_center": self.received_center}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A worker's checkpoint, or the master's snapshot (its own file, written through `ctx.save_checkpoint`)."""
+        if self.ctx.rank >= self.ctx.workers:
+            self.live.load_state_dict(state["center"])
+            self.snapshots = CenterSnapshots(self.live, len(self.leaders), committed=int(state["step"]))
+            return
+        self.center.copy_(state["center"])
+        self.received_center = bool(state["received_center"])
+
     def eval_model(self) -> nn.Module:
         """Rank 0's view of the center during training: the last center it received."""
         if not self.received_center:
@@ -197,7 +231,10 @@ class EAWild(Strategy):
         self._groups(model)
         with self.world.unmetered():
             self.links[0].recv(self.center, 0, tag=TAG)
-        self.updates = [0] * len(self.leaders)  # one slot per handler thread: counting needs no lock
+        self.live = CenterState(self.center, len(self.leaders))  # a resumed master loads its snapshot into it
+        self.staleness = self.live.staleness
+        self.snapshots = CenterSnapshots(self.live, len(self.leaders))
+        self.finished: set[int] = set()  # the groups (indices) that said DONE
         self.failure_lock = threading.Lock()  # handler threads may record deaths at the same time
 
     def serve(self, model: nn.Module) -> None:
@@ -213,6 +250,7 @@ class EAWild(Strategy):
             thread.join()
         if errors:
             raise errors[0]
+        self._save_snapshots()  # every group is done or dead: none holds a snapshot back
         for i, leader in enumerate(self.leaders):
             if leader not in self.dead:
                 try:
@@ -222,31 +260,55 @@ class EAWild(Strategy):
         load_flat(model, self.center)
 
     def _lost_group(self, index: int, leader: int, how: str) -> None:
-        """Forget a group whose leader is gone; the step given is the steps it had done at its last exchange."""
+        """Forget a group whose leader is gone; the step given is the steps it had done at its last exchange. It
+        holds no snapshot back."""
         with self.failure_lock:
-            self.lost(leader, max(self.updates[index] - 1, 0) * self.options.tau, how)
+            self.lost(leader, max(self.live.updates[index] - 1, 0) * self.options.tau, how)
+        self._save_snapshots()
+
+    def _save_snapshots(self) -> None:
+        """Write every snapshot that no live group still holds back (a group done or dead sends no more)."""
+        with self.failure_lock:
+            gone = self.finished | {i for i, leader in enumerate(self.leaders) if leader in self.dead}
+        self.snapshots.save_complete(gone, self._save)
+
+    def _save(self, step: int, state: CenterState) -> None:
+        if self.ctx.save_checkpoint is not None:
+            self.ctx.save_checkpoint({"step": step, "center": state.state_dict()})
 
     def _handle(self, index: int, leader: int, errors: list[BaseException]) -> None:
         link = self.links[leader]
         header = torch.zeros(1, dtype=torch.int64)
+        step = torch.zeros(1, dtype=torch.int64)
         weights = torch.empty_like(self.center)
-        seen = 0  # center updates when this group last exchanged
         try:
             while True:
                 try:
                     link.recv(header, leader, tag=TAG)
-                    if int(header) == DONE:
-                        return
-                    link.recv(weights, leader, tag=TAG)
+                    kind = int(header)
+                    if kind == CHECKPOINT:
+                        with link.unmetered():
+                            link.recv(step, leader, tag=TAG)
+                    elif kind == EXCHANGE:
+                        link.recv(weights, leader, tag=TAG)
                 except CommError as e:  # its own link: a timeout here closes no other group's connections
                     self._lost_group(index, leader, str(e))
                     return
-                snapshot = self.center.clone()  # what this group pulls toward, before its own update
-                reply = link.isend(snapshot, leader, tag=TAG)
-                self.staleness.append(sum(self.updates) - seen)
-                self.center.lerp_(weights, self.alpha)  # w̃ ← w̃ + ηρ(wʲ − w̃), racing the other handlers
-                self.updates[index] += 1
-                seen = sum(self.updates)
+                if kind == DONE:
+                    with self.failure_lock:
+                        self.finished.add(index)
+                    self._save_snapshots()
+                    return
+                if kind == CHECKPOINT:  # its exchanges of the steps before have been applied
+                    self.snapshots.mark(index, int(step))
+                    self._save_snapshots()
+                    continue
+                pulled_toward = self.center.clone()  # the center before this group's own update
+                reply = link.isend(pulled_toward, leader, tag=TAG)
+                # w̃ ← w̃ + ηρ(wʲ − w̃), racing the other handlers (on the live center, and on a snapshot under way)
+                with self.snapshots.applying(index) as states:
+                    for state in states:
+                        state.apply(index, weights, self.alpha)
                 try:
                     reply.wait()
                 except CommError as e:
@@ -258,4 +320,4 @@ class EAWild(Strategy):
     def summary(self) -> dict[str, Any]:
         if self.ctx.rank < self.ctx.workers:
             return {}
-        return {"center_updates": sum(self.updates)}
+        return {"center_updates": self.live.total()}

@@ -29,11 +29,28 @@ back. The master finishes when every live worker is done, and the run ends with 
 end of the run, which then averages the survivors' replicas (`fast.survivors`), reports the center, every
 worker loads the final center into its replica when `final_model` is "average"; "best" and "worker:K" keep
 the replicas. The synchronous variant needs every worker at each all-reduce: a death there stays fatal.
+
+Checkpoints (`run.checkpoint_every = K`). A worker's checkpoint holds its copy of the center (sync: the center
+itself). The asynchronous master checkpoints its own state (`CenterState`: the center, the updates it has had
+from each worker, the updates each worker knew of at its last exchange, and the staleness records) without
+stopping anyone, as async-ps's servers do: after its step-N checkpoint each worker sends the master a
+CHECKPOINT marker for step N behind its exchanges, on the same ordered channel (unmetered: not training
+traffic). The first marker for N makes the master copy its state; from then on an exchange from a worker that
+has not sent its marker yet goes into both the live state and the copy, one from a worker that has goes into
+the live state only (`CenterSnapshots`). When every live worker's marker is in, the copy holds exactly every
+worker's exchanges of its first N steps and none later, and the master writes it (`server<rank>-step<N>.pt`,
+`server_checkpoints`). On resume every process resumes from the newest step all of them hold
+(`fast.checkpoint`), the master from its copy of that step, so the center goes on as it was at that step. A
+worker's copy of the center, like its replica, may hold later exchanges of faster workers, as any copy it
+gets may. A worker found dead (or done) holds no snapshot back: later ones hold its exchanges up to its end.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -46,7 +63,8 @@ from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
 from fast.strategies.flat import FlatState
 from fast.strategies.messages import Channel, Listener, PeerDeaths
 
-# async: exchanges go to the master's listener on tags 0 (header) and 1 (weights); it answers on 2
+# async: exchanges (and checkpoint markers) go to the master's listener on tags 0 (header) and 1 (weights); it
+# answers on 2
 EXCHANGE_TAG, CENTER_TAG, INIT_TAG, FINAL_TAG = 0, 2, 3, 4
 
 
@@ -66,12 +84,130 @@ def moving_rate(options: EASGDOptions, config: Config) -> float:
     return 0.9 / config.run.workers
 
 
+class CenterState:
+    """What a master's center depends on, and what it checkpoints: the center, the updates it has had from each
+    sender (an easgd worker, an ea-wild group), the updates in all that each sender knew of at its last exchange,
+    and the staleness of every update."""
+
+    def __init__(self, center: torch.Tensor, senders: int) -> None:
+        self.center = center
+        self.updates = [0] * senders  # one slot per sender: ea-wild's handler threads count without a lock
+        self.seen = [0] * senders
+        self.staleness: list[int] = []
+
+    def total(self) -> int:
+        """The updates the center has had."""
+        return sum(self.updates)
+
+    @torch.no_grad()
+    def apply(self, sender: int, weights: torch.Tensor, alpha: float) -> None:
+        """One elastic update from `sender`, w̃ ← w̃ + α(w − w̃), in place and without a lock (ea-wild's handlers
+        race on the live center), with its staleness: the updates from the others since the sender's previous
+        exchange."""
+        self.staleness.append(self.total() - self.seen[sender])
+        self.center.lerp_(weights, alpha)
+        self.updates[sender] += 1
+        self.seen[sender] = self.total()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "center": self.center.clone(),
+            "updates": torch.tensor(self.updates, dtype=torch.int64),
+            "seen": torch.tensor(self.seen, dtype=torch.int64),
+            "staleness": torch.tensor(self.staleness, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """In place: the center tensor and the lists stay the objects the strategy holds."""
+        self.center.copy_(state["center"])
+        self.updates[:] = [int(n) for n in state["updates"].tolist()]
+        self.seen[:] = [int(n) for n in state["seen"].tolist()]
+        self.staleness[:] = [int(n) for n in state["staleness"].tolist()]
+
+    def copy(self) -> CenterState:
+        twin = CenterState(torch.empty_like(self.center), len(self.updates))
+        twin.load_state_dict(self.state_dict())
+        return twin
+
+
+class CenterSnapshots:
+    """A master's snapshots of the checkpoint steps under way (a Chandy-Lamport snapshot over its channels, the
+    module docstring): which states an exchange from a sender goes into, and which snapshots are complete.
+
+    Thread-safe. Exchanges may be applied from several threads at once (`applying`: ea-wild's handlers race on
+    the live center, as they always have); taking a copy, or handing over a complete snapshot, waits until no
+    exchange is being applied and holds new ones off meanwhile, so a copy never holds part of an update. Neither
+    `mark` nor `save_complete` may be called inside `applying`."""
+
+    def __init__(self, live: CenterState, senders: int, committed: int = 0) -> None:
+        self.live = live
+        self.pending: dict[int, CenterState] = {}  # step -> the snapshot of that step's cut, being completed
+        self.marked = [committed] * senders  # each sender's last checkpoint marker
+        self.committed = committed  # the step of the last complete snapshot
+        self._lock = threading.Condition()
+        self._applying = 0  # exchanges being applied now
+        self._holding = 0  # copies and hand-overs waiting for those to end (new exchanges wait for them)
+        self._saving = threading.Lock()  # complete snapshots are written one at a time, oldest first
+
+    @contextmanager
+    def applying(self, sender: int) -> Iterator[list[CenterState]]:
+        """The states an exchange from `sender` goes into: the live one and every snapshot of a step it has not
+        marked yet; apply it to each inside the context."""
+        with self._lock:
+            while self._holding:
+                self._lock.wait()
+            self._applying += 1
+            states = [self.live, *(state for step, state in self.pending.items() if self.marked[sender] < step)]
+        try:
+            yield states
+        finally:
+            with self._lock:
+                self._applying -= 1
+                self._lock.notify_all()
+
+    @contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Hold the lock while no exchange is being applied."""
+        with self._lock:
+            self._holding += 1
+            try:
+                while self._applying:
+                    self._lock.wait()
+                yield
+            finally:
+                self._holding -= 1
+                self._lock.notify_all()
+
+    def mark(self, sender: int, step: int) -> None:
+        """`sender` has sent every exchange of its first `step` steps: its checkpoint marker for `step`."""
+        with self._quiet():
+            self.marked[sender] = max(self.marked[sender], step)
+            if step > self.committed and step not in self.pending:  # the first marker of this step
+                self.pending[step] = self.live.copy()
+
+    def save_complete(self, gone: set[int], save: Callable[[int, CenterState], None]) -> list[int]:
+        """Hand every snapshot that every sender not in `gone` (dead, or done: it sends nothing more) has marked
+        to `save(step, state)`, oldest first, and forget it; returns their steps."""
+        with self._saving:
+            complete = []
+            with self._quiet():
+                for step in sorted(self.pending):
+                    if any(marked < step for sender, marked in enumerate(self.marked) if sender not in gone):
+                        break
+                    complete.append((step, self.pending.pop(step)))
+                    self.committed = step
+            for step, state in complete:
+                save(step, state)
+        return [step for step, _ in complete]
+
+
 class EASGD(Strategy):
     name = "easgd"
     Options = EASGDOptions
     # the async variant; the launcher reads this before a variant is known, and the sync variant says False
     # on its instances, so a death there ends the run (its all-reduce fails on every worker)
     survives_failures = True
+    server_checkpoints = True  # the async master's snapshots (the module docstring); the sync variant has none
 
     def __init__(self, options: EASGDOptions, ctx: StrategyContext) -> None:
         super().__init__(options, ctx)
@@ -81,6 +217,7 @@ class EASGD(Strategy):
         self.master = ctx.workers  # the master's global rank (async only)
         self.exchanges = 0
         self.step = 0
+        self.done_steps = 0
 
     @property
     def collective_eval(self) -> bool:  # type: ignore[override]
@@ -113,22 +250,21 @@ class EASGD(Strategy):
         super().setup(model, optimizer)
         self.state = FlatState.of_model(model)
         self.center = self.state.read().cpu() if self.is_async else self.state.read()
-        self.introduced = False
         if self.is_async:
-            self.channel = Channel(self.world)  # the server creates the same group in setup_server
-
-    def before_step(self, step: int) -> None:
-        if self.is_async and not self.introduced and self.comm.rank == self.comm.ranks[0]:
-            # rank 0 gives the master the starting center (after a resume: the one in its checkpoint);
-            # like the base class's initial broadcast, this is set-up traffic and is not counted
-            with self.channel.unmetered():
-                self.channel.send(self.center, self.master, INIT_TAG)
-        self.introduced = True
+            self.channel = Channel(self.world)  # the master creates the same group in setup_server
+            if self.comm.rank == self.comm.ranks[0]:
+                # rank 0 gives the master the starting center (a resumed master then loads its own snapshot);
+                # like the base class's initial broadcast, this is set-up traffic and is not counted
+                with self.channel.unmetered():
+                    self.channel.send(self.center, self.master, INIT_TAG)
 
     def after_backward(self, step: int) -> None:
         self.step = step
         if step > 0 and step % self.options.tau == 0:
             self.exchange()
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.done_steps = step + 1
 
     @torch.no_grad()
     def exchange(self) -> None:
@@ -169,35 +305,51 @@ class EASGD(Strategy):
         return model
 
     def state_dict(self) -> dict[str, Any]:
+        """A worker's part of a checkpoint: its center (async: its copy, as of its last exchange). Called at a
+        checkpoint step of the async variant, it first sends the master the worker's CHECKPOINT marker for that
+        step, behind its exchanges."""
+        if self.is_async:
+            with self.channel.unmetered():
+                self.channel.send_marker(self.master, [float(self.done_steps)], tag=EXCHANGE_TAG)
         return {"center": self.center.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A worker's checkpoint, or the master's snapshot (its own file, written through `ctx.save_checkpoint`)."""
+        if self.ctx.rank >= self.ctx.workers:
+            self.live.load_state_dict(state["center"])
+            self.snapshots = CenterSnapshots(self.live, self.ctx.workers, committed=int(state["step"]))
+            return
         self.center.copy_(state["center"])
 
     def summary(self) -> dict[str, Any]:
         if self.ctx.rank >= self.ctx.workers:
-            return {"center_updates": self.center_updates}
+            return {"center_updates": self.live.total()}
         reported = "center" if self.options.final_model == "average" else self.options.final_model
         return {"final_model": reported, "moving_rate": self.alpha, "elastic_exchanges": self.exchanges}
 
     # -- the master (async) --------------------------------------------------------------------------------
     def setup_server(self, model: nn.Module) -> None:
         self.channel = Channel(self.world)
+        self.center = FlatState.of_model(model).read().cpu()
+        with self.channel.unmetered():  # set-up traffic, as on worker 0's side
+            self.channel.recv(self.center, 0, INIT_TAG)
+        self.live = CenterState(self.center, self.ctx.workers)  # a resumed master loads its snapshot into it
+        self.staleness = self.live.staleness
+        self.snapshots = CenterSnapshots(self.live, self.ctx.workers)
+        self.deaths = PeerDeaths(self)
 
     def serve(self, model: nn.Module) -> None:
         """Serve elastic exchanges one worker at a time (in a listener thread) until every live worker is
         done, then send each the center."""
-        self.center = FlatState.of_model(model).read().cpu()
-        with self.channel.unmetered():  # set-up traffic, as on worker 0's side
-            self.channel.recv(self.center, 0, INIT_TAG)
-        self.center_updates = 0
-        self.updates_seen = dict.fromkeys(range(self.ctx.workers), 0)  # center updates each worker knows of
-        self.deaths = PeerDeaths(self)
         workers = range(self.ctx.workers)
-        listener = Listener(self.channel, workers, 2, self.center.numel(), self._elastic, self.deaths.found)
+        listener = Listener(
+            self.channel, workers, 2, self.center.numel(), self._elastic, self._gone, on_marker=self._marked
+        )
         listener.start()
-        listener.finish(self.dead, self.deaths.found)
-        for worker in sorted(set(listener.done_headers) - self.dead):
+        listener.finish(self.dead, self._gone)
+        done = set(listener.done_headers)
+        self._save_snapshots(done)  # the workers done send no more markers
+        for worker in sorted(done - self.dead):
             try:
                 self.channel.send(self.center, worker, FINAL_TAG)
             except CommError as e:
@@ -205,7 +357,8 @@ class EASGD(Strategy):
 
     @torch.no_grad()
     def _elastic(self, worker: int, header: torch.Tensor, weights: torch.Tensor | None) -> None:
-        """Listener thread: answer one exchange with the center, then move the center toward the worker."""
+        """Listener thread: answer one exchange with the center, then move the center toward the worker (and
+        every snapshot under way of a step the worker has not reached)."""
         with self.deaths.lock:
             if worker in self.dead:  # only slow, not dead: take it back
                 self.dead.discard(worker)
@@ -214,12 +367,31 @@ class EASGD(Strategy):
         try:
             self.channel.send(self.center, worker, CENTER_TAG)
         except CommError as e:
-            self.deaths.found(worker, str(e))
+            self._gone(worker, str(e))
             return
-        self.center.add_(weights - self.center, alpha=self.alpha)
-        self.staleness.append(self.center_updates - self.updates_seen[worker])
-        self.center_updates += 1
-        self.updates_seen[worker] = self.center_updates
+        with self.snapshots.applying(worker) as states:
+            for state in states:
+                state.apply(worker, weights, self.alpha)
+
+    def _marked(self, worker: int, header: torch.Tensor) -> None:
+        """Listener thread: a worker's CHECKPOINT marker (header [MARKER, step])."""
+        self.snapshots.mark(worker, int(header[1].item()))
+        self._save_snapshots()
+
+    def _gone(self, worker: int, how: str) -> None:
+        """A worker found dead: recorded once, and it holds no snapshot back."""
+        self.deaths.found(worker, how)
+        self._save_snapshots()
+
+    def _save_snapshots(self, done: set[int] | None = None) -> None:
+        """Write every snapshot that no live worker still holds back (`done`: workers that sent DONE)."""
+        with self.deaths.lock:
+            gone = set(self.dead) | (done or set())
+        self.snapshots.save_complete(gone, self._save)
+
+    def _save(self, step: int, state: CenterState) -> None:
+        if self.ctx.save_checkpoint is not None:
+            self.ctx.save_checkpoint({"step": step, "center": state.state_dict()})
 
 
 class EAMSGDOptions(EASGDOptions):

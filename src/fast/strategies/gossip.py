@@ -42,9 +42,7 @@ holds. The summary counts `lost_messages`.
 
 from __future__ import annotations
 
-import copy
 import random
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -54,10 +52,11 @@ from pydantic import Field
 from torch import nn
 
 from fast.codecs import ErrorFeedback, build_codec
-from fast.comm import Comm, Handle, MessageLost
+from fast.comm import Handle, MessageLost
+from fast.comm.channel import PatientChannel
 from fast.comm.compressed import ChocoGossip, worker_codec
 from fast.config import Config
-from fast.errors import CommError, CommTimeout, ConfigError
+from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
 from fast.strategies.flat import FlatState
 from fast.topology import PeerSchedule, Topology, parse_schedule, parse_topology
@@ -72,13 +71,9 @@ class PeerOptions(StrategyOptions):
         "ring",
         description='"ring", "torus:RxC", "exponential", "complete", "star", "random-regular:K" or [[i, j]]',
     )
-    schedule: Schedule | None = Field(
-        None, description="time-varying peers that replace the topology per round"
-    )
+    schedule: Schedule | None = Field(None, description="time-varying peers that replace the topology per round")
     send_probability: float = Field(1.0, ge=0, le=1, description="probability that an exchange happens")
-    peers_per_round: int | None = Field(
-        None, ge=1, description="random neighbours called per round; None = all"
-    )
+    peers_per_round: int | None = Field(None, ge=1, description="random neighbours called per round; None = all")
 
 
 class GossipOptions(PeerOptions):
@@ -110,9 +105,7 @@ def build_topology(options: PeerOptions, workers: int, seed: int, weights: str =
 def check_peer_options(options: PeerOptions, config: Config) -> None:
     """ConfigError for a topology that does not fit the run, or a schedule combined with what it replaces."""
     if options.schedule is None:
-        build_topology(
-            options, config.run.workers, config.run.seed, getattr(options, "weights", "metropolis")
-        )
+        build_topology(options, config.run.workers, config.run.seed, getattr(options, "weights", "metropolis"))
         return
     for key in ("topology", "peers_per_round"):
         if key in options.model_fields_set:
@@ -155,98 +148,6 @@ class RandomPeers:
         neighbours = self.topology.neighbors(self.me)
         chosen = torch.randperm(len(neighbours), generator=self.generator)[: self.count]
         return [self.ranks[neighbours[int(k)]] for k in chosen]
-
-
-# -- messages in the background: a listener thread per worker on a channel of its own ------------------------
-MESSAGE, DONE = 0.0, 1.0
-
-
-class Listener(threading.Thread):
-    """Receives (header, body) messages in the background until every expected sender has said DONE.
-
-    A header is a float64 vector whose first entry is MESSAGE or DONE; a MESSAGE header is followed by a
-    float32 body of `body_numel` values, handed to `on_message(sender, header, body)` in this thread. Senders
-    use `send_message` and `send_done`; a pair's messages arrive in the order they were sent, so after a
-    sender's DONE nothing more comes from it.
-
-    A listener may rightly hear nothing for a long time (rare pushes, a neighbour evaluating), so its
-    receives wait up to IDLE_DEADLINE_S; the deadlines that catch a dead peer are the senders' own and the
-    one `finish` puts on the wait for the neighbours' DONE.
-    """
-
-    IDLE_DEADLINE_S = 7 * 24 * 3600.0
-
-    def __init__(
-        self,
-        channel: Comm,
-        senders: list[int],
-        header_size: int,
-        body_numel: int,
-        on_message: Callable[[int, torch.Tensor, torch.Tensor], None],
-        tag: int = 0,
-    ) -> None:
-        super().__init__(name="fast-listener", daemon=True)
-        self.deadline_s = channel.deadline_s
-        self.channel = copy.copy(channel)  # the same group, seen with a longer deadline for this thread
-        self.channel.deadline_s = self.IDLE_DEADLINE_S
-        self.header_size, self.body_numel = header_size, body_numel
-        self.on_message, self.tag = on_message, tag
-        self.waiting = set(senders)
-        self.received = dict.fromkeys(senders, 0)
-        self.done_headers: dict[int, torch.Tensor] = {}  # the training thread reads it: who has finished
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while self.waiting:
-                header = torch.zeros(self.header_size, dtype=torch.float64)
-                sender = self.channel.recv_from(header, tag=self.tag)
-                if header[0].item() == DONE:
-                    self.done_headers[sender] = header
-                    self.waiting.discard(sender)
-                    continue
-                body = self.channel.recv(torch.empty(self.body_numel), sender, tag=self.tag + 1)
-                self.received[sender] += 1
-                self.on_message(sender, header, body)
-        except BaseException as e:  # handed to the training thread by check() and finish()
-            self.error = e
-
-    def check(self) -> None:
-        """Raise in the training thread what went wrong in this one."""
-        if self.error is not None:
-            raise self.error
-
-    def finish(self) -> None:
-        """Wait until every sender said DONE, at most the channel's deadline (as a final collective would)."""
-        self.join(self.deadline_s)
-        self.check()
-        if self.is_alive():
-            raise CommTimeout(
-                f"workers {sorted(self.waiting)} did not finish within {self.deadline_s:g}s of this one: "
-                "they are gone or stuck (raise run.deadline_s if they are only slow)"
-            )
-
-
-def post_message(
-    channel: Comm, peers: list[int], header: list[float], body: torch.Tensor, tag: int = 0
-) -> list[Handle]:
-    """Start sending one message to each of `peers`; wait on the handles before changing `body`."""
-    header_tensor = torch.tensor([MESSAGE, *header], dtype=torch.float64)
-    body = body.detach().to("cpu", torch.float32).contiguous()
-    handles = []
-    for peer in peers:
-        handles += [channel.isend(header_tensor, peer, tag=tag), channel.isend(body, peer, tag=tag + 1)]
-    return handles
-
-
-def send_message(channel: Comm, peer: int, header: list[float], body: torch.Tensor, tag: int = 0) -> None:
-    for handle in post_message(channel, [peer], header, body, tag):
-        handle.wait()
-
-
-def send_done(channel: Comm, peers: list[int], header: list[float] | None = None, tag: int = 0) -> None:
-    for peer in peers:
-        channel.send(torch.tensor([DONE, *(header or [])], dtype=torch.float64), peer, tag=tag)
 
 
 def check_choco(options: GossipOptions, config: Config) -> None:
@@ -316,9 +217,7 @@ class GossipRounds:
         return _seeded("calls", self.seed, round, i).sample(neighbours, k)
 
     def _talks(self, round: int, i: int, j: int) -> bool:
-        called = (
-            self.options.peers_per_round is None or j in self._calls(round, i) or i in self._calls(round, j)
-        )
+        called = self.options.peers_per_round is None or j in self._calls(round, i) or i in self._calls(round, j)
         return called and self._channel_up(round, i, j)
 
     def plan(self, i: int, round: int) -> Round:
@@ -360,6 +259,9 @@ class Gossip(Strategy):
         self.state = FlatState.of_replica(model)
         self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
         self.exchanges = self.steps = self.lost_messages = 0
+        # exchanges wait at most the deadline without letting gloo time out (which would cut this worker off
+        # from every neighbour): a frozen neighbour is then dropped like a dead one
+        self.channel = PatientChannel(self.comm)
         self.newly_dead: set[int] = set()  # topology indices found dead in the current round
         codec = self.ctx.config.codec
         self.choco: ChocoGossip | None = None
@@ -388,10 +290,11 @@ class Gossip(Strategy):
         message = torch.cat([self.mine, dead.to(self.mine)])
         self.inbox = {j: torch.empty_like(message) for j in self.round.takes}
         self.handles: list[tuple[int, Handle]] = []
+        link = self.channel.comm
         for j, buffer in self.inbox.items():
-            self._post(step, j, self.comm.irecv, buffer, ranks[j])
+            self._post(step, j, link.irecv, buffer, ranks[j])
         for j in self.round.sends:
-            self._post(step, j, self.comm.isend, message, ranks[j], 0, True)  # droppable: a loss is survivable
+            self._post(step, j, link.isend, message, ranks[j], 0, True)  # droppable: a loss is survivable
 
     def _post(self, step: int, j: int, start: Callable[..., Handle], *args: object) -> None:
         try:
@@ -411,7 +314,7 @@ class Gossip(Strategy):
             if j in self.newly_dead:
                 continue  # its other operation failed already
             try:
-                handle.wait()
+                self.channel.wait(handle)
             except MessageLost:
                 missing.add(j)
             except CommError as e:

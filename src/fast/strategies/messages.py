@@ -2,20 +2,16 @@
 
 The strategies whose workers talk whenever they like (async-broadcast, ad-psgd, push-sum, the master of
 asynchronous EASGD) move (header, body) messages on a `Channel` of their own, received in the background by
-a `Listener`. A header is a float64 vector whose first entry is MESSAGE or DONE; a MESSAGE header is
-followed by a float32 body; a pair's messages arrive in the order they were sent, so after a sender's DONE
-nothing more comes from it.
+a `Listener`. A header is a float64 vector whose first entry is MESSAGE, DONE or MARKER; a MESSAGE header is
+followed by a float32 body, a MARKER header (a checkpoint marker) by nothing; a pair's messages arrive in the
+order they were sent, so after a sender's DONE nothing more comes from it.
 
 Dead peers. An operation with a given peer fails at once when that peer's process is gone (its connection
-is closed); a receive from any peer does not. A gloo operation that passes its own deadline closes every
-connection of its group in this process, so that all its other peers would take this one for dead; and a
-gloo send or receive cannot be polled (it completes only inside `wait`). So on a `Channel` gloo never times
-out: a daemon thread waits on each operation and the caller gives up at the run's deadline with
-CommTimeout, leaving the operation pending. `Channel.probe` finds a dead peer without waiting (a send to a
-process that is gone fails at once; one to a live process stays pending, unread), and `Listener.finish`,
-which waits for DONE from every sender, probes the senders it still waits for. A peer whose connection
-closed, or that did not answer within the deadline, is dead to the caller: `PeerDeaths` records it once
-(`Strategy.lost`) and the strategy stops sending to it.
+is closed); a receive from any peer does not. A `Channel` is a `fast.comm.channel.PatientChannel`: its waits
+give up at the run's deadline without breaking gloo, and its `probe` finds a dead peer without waiting.
+`Listener.finish`, which waits for DONE from every sender, probes the senders it still waits for. A peer
+whose connection closed, or that did not answer within the deadline, is dead to the caller: `PeerDeaths`
+records it once (`Strategy.lost`) and the strategy stops sending to it.
 
 Lost messages. On an emulated lossy link (`[network] loss`) a body sent with `droppable=True` may be lost.
 Its header, a few bytes saying who sent what (a step, a weight), is sent reliably, so the listener always
@@ -24,100 +20,24 @@ knows that a message came and from whom, and hands the strategy None for a lost 
 
 from __future__ import annotations
 
-import copy
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
 import torch
 
-from fast.comm import Comm, Handle, MessageLost
+from fast.comm import Handle, MessageLost
+from fast.comm.channel import PatientChannel, probe_period
 from fast.comm.waiting import waiting
-from fast.errors import CommError, CommTimeout
+from fast.errors import CommError
 from fast.strategies.base import Strategy, StrategyContext
 from fast.strategies.gossip import PeerOptions, RandomPeers
 
-MESSAGE, DONE = 0.0, 1.0
-PROBE_TAG = 99  # nobody receives on it: a probe stays pending at a live peer
-IDLE_DEADLINE_S = 7 * 24 * 3600.0  # gloo's own deadline on these channels: never reached
+MESSAGE, DONE, MARKER = 0.0, 1.0, 2.0
 
 
-def probe_period(deadline_s: float) -> float:
-    """How often a silent peer is probed: often enough to notice a death well within the deadline."""
-    return min(0.5, deadline_s / 4)
-
-
-class _Waiter:
-    """Daemon threads that wait on operations for callers that give up at their own deadline (a stuck wait
-    keeps its thread; a daemon thread does not keep the process from exiting)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._free = 0  # threads minus jobs not finished yet
-
-    def submit(self, job: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._free == 0:
-                threading.Thread(target=self._loop, name="fast-waiter", daemon=True).start()
-                self._free += 1
-            self._free -= 1
-        self._jobs.put((job, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            job, future = self._jobs.get()
-            try:
-                future.set_result(job())
-            except BaseException as e:  # handed to the caller by future.result()
-                future.set_exception(e)
-            with self._lock:
-                self._free += 1
-
-
-_WAITER = _Waiter()
-
-
-class Channel:
-    """A strategy's own group over `comm`'s ranks (collective to create) whose waits give up at the run's
-    deadline with CommTimeout, leaving the operation pending, instead of letting gloo time out."""
-
-    def __init__(self, comm: Comm) -> None:
-        self.deadline_s = comm.deadline_s
-        self.comm = copy.copy(comm.channel())
-        self.comm.deadline_s = IDLE_DEADLINE_S
-        self.probes: list[Handle] = []  # sends nobody receives, kept as long as the channel
-
-    def wait(self, handle: Handle, deadline_s: float | None = None) -> Any:
-        """Wait for an operation of this channel (posted with `self.comm`) for at most the deadline."""
-        deadline_s = self.deadline_s if deadline_s is None else deadline_s
-        counting = self.comm.counter.context()
-
-        def job() -> Any:
-            with self.comm.counter.entered(counting):
-                return handle.wait()
-
-        future = _WAITER.submit(job)
-        with waiting():
-            try:
-                return future.result(deadline_s)
-            except FutureTimeout:
-                raise CommTimeout(
-                    f"{handle.op} with {handle.peer} did not complete within {deadline_s:g}s: the peer is "
-                    "gone or stuck (raise run.deadline_s if it is only slow)"
-                ) from None
-
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, droppable: bool = False) -> None:
-        self.wait(self.comm.isend(tensor, peer, tag=tag, droppable=droppable))
-
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int, deadline_s: float | None = None) -> torch.Tensor:
-        return self.wait(self.comm.irecv(tensor, peer, tag=tag), deadline_s)
+class Channel(PatientChannel):
+    """A strategy's message channel: (header, body) messages over a `PatientChannel`."""
 
     def post_message(
         self, peer: int, header: list[float], body: torch.Tensor, tag: int = 0, droppable: bool = False
@@ -143,17 +63,9 @@ class Channel:
         """Tell `peer` that no message follows (a header [DONE, *header] and no body)."""
         self.send(torch.tensor([DONE, *header], dtype=torch.float64), peer, tag)
 
-    def probe(self, peer: int) -> str | None:
-        """Why `peer` is gone (its connection is closed), or None if it may be alive; never waits."""
-        try:
-            with self.comm.unmetered():
-                self.probes.append(self.comm.isend(torch.zeros(1), peer, tag=PROBE_TAG))
-        except CommError as e:
-            return str(e)
-        return None
-
-    def unmetered(self) -> Any:
-        return self.comm.unmetered()
+    def send_marker(self, peer: int, header: list[float], tag: int = 0) -> None:
+        """Send `peer` a marker behind this sender's messages (a header [MARKER, *header] and no body)."""
+        self.send(torch.tensor([MARKER, *header], dtype=torch.float64), peer, tag)
 
 
 class Listener(threading.Thread):
@@ -161,8 +73,10 @@ class Listener(threading.Thread):
 
     Each message goes to `on_message(sender, header, body)` in this thread; `body` is None when it was lost
     on a lossy emulated link. A sender that dies between its header and its body goes to `on_gone(sender,
-    why)`. A listener may rightly hear nothing for a long time (rare pushes, a neighbour evaluating), so its
-    receives have no deadline of their own; `finish` puts one on the wait for the senders' DONE.
+    why)`. A marker (`Channel.send_marker`) goes to `on_marker(sender, header)`, in this thread too, in its
+    place among the sender's messages. A listener may rightly hear nothing for a long time (rare pushes, a
+    neighbour evaluating), so its receives have no deadline of their own; `finish` puts one on the wait for
+    the senders' DONE.
     """
 
     def __init__(
@@ -174,11 +88,13 @@ class Listener(threading.Thread):
         on_message: Callable[[int, torch.Tensor, torch.Tensor | None], None],
         on_gone: Callable[[int, str], None],
         tag: int = 0,
+        on_marker: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__(name="fast-listener", daemon=True)
         self.channel = channel
         self.header_size, self.body_numel = header_size, body_numel
         self.on_message, self.on_gone, self.tag = on_message, on_gone, tag
+        self.on_marker = on_marker
         self.waiting = set(senders)
         self.received = dict.fromkeys(self.waiting, 0)  # messages whose header arrived (the body may be lost)
         self.lost = dict.fromkeys(self.waiting, 0)  # of those, the ones whose body was lost on its link
@@ -194,6 +110,11 @@ class Listener(threading.Thread):
                 sender = self.channel.comm.recv_from(header, tag=self.tag)  # no deadline: see the docstring
                 if header[0].item() == DONE:
                     self._heard(sender, done=header)
+                    continue
+                if header[0].item() == MARKER:  # no body follows
+                    if self.on_marker is not None:
+                        self.on_marker(sender, header)
+                    self._heard(sender)
                     continue
                 body: torch.Tensor | None = torch.empty(self.body_numel)
                 try:

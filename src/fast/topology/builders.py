@@ -110,17 +110,14 @@ def from_networkx(graph: networkx.Graph, weights: str = "metropolis") -> Topolog
         raise ConfigError("topology graph is directed: pass graph.to_undirected() (channels are two-way)")
     self_loops = list(networkx.selfloop_edges(graph))
     if self_loops:
-        raise ConfigError(
-            f"topology graph has self loop {self_loops[0]!r}: remove it (a worker keeps itself)"
-        )
+        raise ConfigError(f"topology graph has self loop {self_loops[0]!r}: remove it (a worker keeps itself)")
     size = graph.number_of_nodes()
     if set(graph.nodes) != set(range(size)):
         try:
             order = sorted(graph.nodes)
         except TypeError:
             raise ConfigError(
-                "topology graph nodes cannot be sorted into ranks: "
-                "pass networkx.convert_node_labels_to_integers(graph)"
+                "topology graph nodes cannot be sorted into ranks: pass networkx.convert_node_labels_to_integers(graph)"
             ) from None
         graph = networkx.relabel_nodes(graph, {node: rank for rank, node in enumerate(order)})
     return build(size, graph.edges(), "networkx", weights)

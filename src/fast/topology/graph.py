@@ -34,9 +34,7 @@ def canonical_edges(size: int, pairs: Iterable[Iterable[int]]) -> frozenset[tupl
                     "fix the edge list or the worker count"
                 )
         if i == j:
-            raise ConfigError(
-                f"topology edge [{i}, {j}] is a self loop: remove it (a worker always keeps itself)"
-            )
+            raise ConfigError(f"topology edge [{i}, {j}] is a self loop: remove it (a worker always keeps itself)")
         edges.add((min(i, j), max(i, j)))
     return frozenset(edges)
 
@@ -206,9 +204,7 @@ class Topology:
                 lines.append(f"  {rank:>{width}}  dead")
                 continue
             peers = ", ".join(f"{j} ({self.weight(rank, j):.4f})" for j in self._adjacency[rank])
-            lines.append(
-                f"  {rank:>{width}}  self {self.weight(rank, rank):.4f}  neighbours: {peers or 'none'}"
-            )
+            lines.append(f"  {rank:>{width}}  self {self.weight(rank, rank):.4f}  neighbours: {peers or 'none'}")
         lines.append(f"spectral gap: {self.spectral_gap():.6f}  (1 - second largest |eigenvalue| of W)")
         return "\n".join(lines)
 

@@ -86,8 +86,7 @@ def check_mixing_matrix(weights: torch.Tensor, edges: frozenset[tuple[int, int]]
     if asymmetry.max() > TOLERANCE:
         i, j = divmod(int(asymmetry.argmax()), size)
         raise ConfigError(
-            f"{label}: mixing matrix is not symmetric "
-            f"(W[{i},{j}]={w[i, j]:.6g} but W[{j},{i}]={w[j, i]:.6g}): {fix}"
+            f"{label}: mixing matrix is not symmetric (W[{i},{j}]={w[i, j]:.6g} but W[{j},{i}]={w[j, i]:.6g}): {fix}"
         )
     if w.min() < -TOLERANCE:
         i, j = divmod(int(w.argmin()), size)
@@ -96,8 +95,7 @@ def check_mixing_matrix(weights: torch.Tensor, edges: frozenset[tuple[int, int]]
     if row_error.max() > TOLERANCE:
         i = int(row_error.argmax())
         raise ConfigError(
-            f"{label}: mixing matrix is not doubly stochastic "
-            f"(row {i} sums to {w[i].sum():.6g}, not 1): {fix}"
+            f"{label}: mixing matrix is not doubly stochastic (row {i} sums to {w[i].sum():.6g}, not 1): {fix}"
         )
     allowed = torch.eye(size, dtype=torch.bool)
     for i, j in edges:

@@ -64,8 +64,7 @@ def parse_topology(
         raise _unknown(spec)
     if topology.size != size:
         raise ConfigError(
-            f"strategy.topology {topology.name!r} has {topology.size} workers but the run has {size}: "
-            "make them match"
+            f"strategy.topology {topology.name!r} has {topology.size} workers but the run has {size}: make them match"
         )
     return topology
 
