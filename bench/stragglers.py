@@ -107,12 +107,18 @@ def show(summaries: dict[str, dict[str, Any]], key: str, time_label: str) -> Non
         f"asynchronous variants at >= {TARGET_THROUGHPUT:g}x sync's samples/s and reaching {key}: "
         f"{sum(verdicts)} of {len(verdicts)}"
     )
-    processes = 4 + ("async-ps" in summaries)
-    print(
-        f"w0 steps: worker 0's steps (a fast worker). This machine has {os.cpu_count()} cores for up to "
-        f"{processes} processes: while sync's fast workers wait for the straggler, cores idle; asynchronous "
-        "workers use every core, so their total samples/s is bounded by the cores, not by the straggler."
-    )
+    # the work of one step alone on a core (sync's workers compute side by side, then wait): the cores a variant
+    # keeps busy is its steps per second times that; no variant can keep more cores busy than the machine has
+    work_s, batch = base.get("step_compute_s"), BASE["run"]["batch_size"]
+    if work_s:
+        busy = {name: (s.get("samples_per_s") or 0) / batch * work_s for name, s in summaries.items()}
+        shown = ", ".join(f"{name} {cores:.2f}" for name, cores in busy.items())
+        print(f"cores kept busy (steps/s x sync's {1e3 * work_s:.1f} ms of work per step): {shown}")
+        print(
+            f"w0 steps: worker 0's steps (a fast worker). With {os.cpu_count()} cores, no variant can exceed "
+            f"{os.cpu_count() / busy['sync']:.2f}x sync's samples/s here: while sync's fast workers wait for the "
+            "straggler, cores idle; asynchronous workers keep every core busy."
+        )
 
 
 if __name__ == "__main__":

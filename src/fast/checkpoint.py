@@ -2,12 +2,12 @@
 step, and on resume loaded from the newest step that every process holds; read back with weights_only.
 
 The scheme. Every `run.checkpoint_every` steps each worker writes `checkpoints/worker<rank>-step<N>.pt`; a server
-whose strategy checkpoints it (async-ps: `Strategy.server_checkpoints`) writes `server<rank>-step<N>.pt` when
-its snapshot of step N is complete. A file is written to a temporary name, flushed to disk and renamed, so it is
-whole or absent; once it is in place the process deletes its own files older than its newest `KEEP` (= 2).
-Processes write and rename one after another, so a crash or Ctrl-C can leave them at different steps (worker 0
-renamed its step-15 file, worker 1 had not): keeping the previous step as well means that the processes still
-hold a step in common (for workers in lockstep, which are never more than one interval apart).
+whose strategy checkpoints it (`Strategy.server_checkpoints`: async-ps, ea-wild, async easgd) writes
+`server<rank>-step<N>.pt` when its snapshot of step N is complete. A file is written to a temporary name, flushed to
+disk and renamed, so it is whole or absent; once it is in place the process deletes its own files older than its
+newest `KEEP` (= 2). Processes write and rename one after another, so a crash or Ctrl-C can leave them at different
+steps (worker 0 renamed its step-15 file, worker 1 had not): keeping the previous step as well means that the
+processes still hold a step in common (for workers in lockstep, which are never more than one interval apart).
 
 On resume (`--resume`, or a restart by `run.max_restarts`) every process of the world takes part in one
 all-gather (`gather_steps`, unmetered: not training traffic) of the steps it holds, and all of them pick the
