@@ -5,6 +5,7 @@ uninterrupted run would; checkpoints are atomic, kept two per process, and load 
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,21 @@ _crash_once.calls = 0
 
 def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in state.values()])
+
+
+def _whole_and_cut_after_step_15(tmp_path, monkeypatch, job: dict) -> tuple[dict, Path]:
+    """One worker and one server (or master): the uninterrupted run's summary, and the checkpoints folder of a
+    run whose worker died at step 17, which must hold the last two checkpoints of each process and nothing else
+    (no temporary file left)."""
+    whole = fast.train(None, out=str(tmp_path / "whole"), **job)
+    monkeypatch.setenv("CRASH_AT", "17")  # after the checkpoint of step 15
+    monkeypatch.setenv("CRASH_RANK", "0")  # rank 0's death ends the run (another's would not)
+    with pytest.raises(WorkerFailed, match="worker 0 exited with code 9"):
+        fast.train(None, out=str(tmp_path / "cut"), step_fn=_crash_once, **job)
+    folder = tmp_path / "cut" / "checkpoints"
+    names = ["server1-step10.pt", "server1-step15.pt", "worker0-step10.pt", "worker0-step15.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == names
+    return whole, folder
 
 
 def test_interrupted_and_resumed_sync_ends_with_exactly_the_uninterrupted_weights(tmp_path, monkeypatch, no_orphans):
@@ -124,19 +140,7 @@ def test_interrupted_and_resumed_async_ps_with_one_worker_ends_with_exactly_the_
     """One worker makes async-ps deterministic: server SGD with momentum. The resumed run must continue from
     the servers' snapshot (weights and momentum), or its weights would differ from the uninterrupted run's."""
     job = {**JOB, **PS, "run__workers": 1, "run__epochs": 1}
-    whole = fast.train(None, out=str(tmp_path / "whole"), **job)
-    monkeypatch.setenv("CRASH_AT", "17")  # after the checkpoint of step 15
-    monkeypatch.setenv("CRASH_RANK", "0")  # rank 0's death ends an async-ps run (the others' would not)
-    with pytest.raises(WorkerFailed, match="worker 0 exited with code 9"):
-        fast.train(None, out=str(tmp_path / "cut"), step_fn=_crash_once, **job)
-    folder = tmp_path / "cut" / "checkpoints"
-    # the last two of each process, no temporary file left
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "server1-step10.pt",
-        "server1-step15.pt",
-        "worker0-step10.pt",
-        "worker0-step15.pt",
-    ]
+    whole, folder = _whole_and_cut_after_step_15(tmp_path, monkeypatch, job)
     server = torch.load(folder / "server1-step15.pt", weights_only=True)
     worker = torch.load(folder / "worker0-step15.pt", weights_only=True)
     assert server["strategy"]["step"] == worker["step"] == 15
@@ -313,18 +317,7 @@ def test_interrupted_and_resumed_master_with_one_worker_ends_with_exactly_the_un
     its center (which moved on with the worker's last exchange, so the worker's own copy differs), or its
     weights would differ from the uninterrupted run's."""
     job = {**JOB, **strategy, "run__workers": 1, "run__epochs": 1}
-    whole = fast.train(None, out=str(tmp_path / "whole"), **job)
-    monkeypatch.setenv("CRASH_AT", "17")  # after the checkpoint of step 15
-    monkeypatch.setenv("CRASH_RANK", "0")  # rank 0's death ends the run (another's would not)
-    with pytest.raises(WorkerFailed, match="worker 0 exited with code 9"):
-        fast.train(None, out=str(tmp_path / "cut"), step_fn=_crash_once, **job)
-    folder = tmp_path / "cut" / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "server1-step10.pt",
-        "server1-step15.pt",
-        "worker0-step10.pt",
-        "worker0-step15.pt",
-    ]
+    whole, folder = _whole_and_cut_after_step_15(tmp_path, monkeypatch, job)
     snapshot = _master_snapshot(tmp_path / "cut", 15, master=1)
     exchanges = _exchanges(strategy, 15)
     assert snapshot["updates"].tolist() == snapshot["seen"].tolist() == [exchanges]
