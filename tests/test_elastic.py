@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fast
+from tests.outputs import assert_same_model
 
 FAST = str(Path(sys.executable).with_name("fast"))  # the command line of this venv
 EVERY = 5  # checkpoint_every
@@ -85,10 +86,7 @@ def test_a_killed_worker_is_restarted_and_the_run_completes_from_the_last_checkp
     assert max(_steps_logged(tmp_path / "killed" / "workers" / "metrics-1.jsonl")[:KILLED_AT]) == KILLED_AT - 1
     if exact:  # every bit of strategy state came back: the same weights as a run that was never killed
         whole = fast.train(None, out=str(tmp_path / "whole"), **JOB, **strategy)
-        a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-        b = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
+        assert_same_model(tmp_path / "whole", tmp_path / "killed")
         assert whole["restarts"] == 0
         for key in ("final_test_accuracy", "bytes_sent", "averagings", "outer_rounds"):
             assert summary.get(key) == whole.get(key), key

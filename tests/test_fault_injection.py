@@ -10,19 +10,9 @@ import torch
 
 import fast
 from fast.launch import WorkerFailed
+from tests.test_survival import JOB as SURVIVAL_JOB
 
-JOB = {
-    "data__name": "digits",
-    "model__name": "mlp",
-    "run__workers": 4,
-    "run__epochs": 3,
-    "run__batch_size": 32,
-    "run__eval_every": 1.0,
-    "run__deadline_s": 5.0,
-    "optimizer__lr": 0.05,
-    "network__bandwidth": "1Gbit",
-    "network__latency": "1ms",
-}
+JOB = {**SURVIVAL_JOB, "network__bandwidth": "1Gbit", "network__latency": "1ms"}  # faults need emulation
 
 
 @pytest.mark.parametrize("crash", [{"worker": 2, "step": 10}, {"worker": 1, "time": "1s"}], ids=["step", "time"])

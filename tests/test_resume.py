@@ -13,8 +13,10 @@ import torch
 import fast
 from fast import checkpoint
 from fast.launch import WorkerFailed
-from fast.strategies.async_ps import AsyncPSOptions, ShardState, Snapshots
-from fast.strategies.easgd import CenterSnapshots, CenterState
+from fast.strategies.async_ps import AsyncPSOptions, ShardState
+from fast.strategies.easgd import CenterState
+from fast.strategies.snapshots import Snapshots
+from tests.outputs import assert_same_model
 
 JOB = {
     "data__name": "digits",
@@ -69,11 +71,7 @@ def test_interrupted_and_resumed_sync_ends_with_exactly_the_uninterrupted_weight
     assert checkpoint.saved_steps(tmp_path / "cut", 0) == checkpoint.saved_steps(tmp_path / "cut", 1) == [10, 15]
     monkeypatch.delenv("CRASH_AT")
     resumed = fast.train(resume=str(tmp_path / "cut"))
-    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_model(tmp_path / "whole", tmp_path / "cut")
     assert resumed["final_test_accuracy"] == whole["final_test_accuracy"]
     assert resumed["bytes_sent"] == whole["bytes_sent"]
 
@@ -107,10 +105,7 @@ def test_when_a_worker_lacks_the_newest_checkpoint_every_worker_resumes_from_the
     total = resumed["steps_per_worker"]
     for rank in (0, 1):  # each worker's own log keeps both lives: the second starts after the agreed step
         assert _logged_steps(cut, rank) == [*range(1, 18), *range(restart_at + 1, total + 1)], rank
-    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-    b = torch.load(cut / "model.pt", weights_only=True)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_model(tmp_path / "whole", cut)
     assert resumed["final_test_accuracy"] == whole["final_test_accuracy"]
     assert resumed["bytes_sent"] == whole["bytes_sent"]
     # worker 0's step-15 file belonged to the life that ended; the resumed run wrote its own
@@ -151,10 +146,7 @@ def test_interrupted_and_resumed_async_ps_with_one_worker_ends_with_exactly_the_
     assert torch.equal(_flat(worker["model"]), snapshot["shard"])
     monkeypatch.delenv("CRASH_AT")
     resumed = fast.train(resume=str(tmp_path / "cut"))
-    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_model(tmp_path / "whole", tmp_path / "cut")
     assert resumed["server_updates"] == whole["server_updates"] == whole["steps_per_worker"]
     assert resumed["final_test_accuracy"] == whole["final_test_accuracy"]
     assert resumed["bytes_sent"] == whole["bytes_sent"]
@@ -212,17 +204,24 @@ def _same(a: ShardState, b: ShardState) -> None:
 def test_a_server_snapshot_holds_exactly_the_updates_sent_before_each_workers_marker(tmp_path):
     g = [torch.full((4,), float(i + 1)) for i in range(6)]
     live = _state()
-    snapshots = Snapshots(live, workers=2)
+    snapshots = Snapshots(live, senders=2)
 
     def push(worker: int, gradient: torch.Tensor) -> None:
-        for state in snapshots.states(worker):
-            state.apply(worker, gradient)
+        with snapshots.applying(worker) as states:
+            for state in states:
+                state.apply(worker, gradient)
 
     def pull(worker: int) -> torch.Tensor:
         sent = live.shard.detach().clone()
-        for state in snapshots.states(worker):
-            state.pulled(worker, sent)
+        with snapshots.applying(worker) as states:
+            for state in states:
+                state.pulled(worker, sent)
         return sent
+
+    def complete(gone: set[int]) -> list[tuple[int, ShardState]]:
+        saved: list[tuple[int, ShardState]] = []
+        snapshots.save_complete(gone, lambda step, state: saved.append((step, state)))
+        return saved
 
     push(0, g[0])
     push(1, g[1])
@@ -232,10 +231,10 @@ def test_a_server_snapshot_holds_exactly_the_updates_sent_before_each_workers_ma
     push(1, g[3])
     snapshots.mark(0, 10)  # worker 0 is a whole interval ahead: a second snapshot under way
     push(0, g[4])
-    assert snapshots.complete(gone=set()) == []  # worker 1 holds both back
+    assert complete(gone=set()) == []  # worker 1 holds both back
     snapshots.mark(1, 5)
     push(1, g[5])  # in the snapshot of step 10 only
-    [(step, five)] = snapshots.complete(gone=set())
+    [(step, five)] = complete(gone=set())
     assert step == 5 and snapshots.committed == 5 and list(snapshots.pending) == [10]
 
     expected = _state()  # only what each worker sent before its step-5 marker, in arrival order
@@ -247,7 +246,7 @@ def test_a_server_snapshot_holds_exactly_the_updates_sent_before_each_workers_ma
     assert five.updates_from == {0: 1, 1: 2} and live.updates_from == {0: 3, 1: 3}
 
     # worker 1 dies before its step-10 marker: the snapshot of step 10 completes without it
-    [(step, ten)] = snapshots.complete(gone={1})
+    [(step, ten)] = complete(gone={1})
     assert step == 10 and ten.updates_from == {0: 2, 1: 3}
     expected_ten = _state()  # everything but worker 0's push after its marker of step 10
     for worker, gradient in [(0, g[0]), (1, g[1]), (0, g[2])]:
@@ -326,10 +325,7 @@ def test_interrupted_and_resumed_master_with_one_worker_ends_with_exactly_the_un
     assert not torch.equal(snapshot["center"], worker["strategy"]["center"])
     monkeypatch.delenv("CRASH_AT")
     resumed = fast.train(resume=str(tmp_path / "cut"))
-    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_model(tmp_path / "whole", tmp_path / "cut")
     assert resumed["center_updates"] == whole["center_updates"] == _exchanges(strategy, whole["steps_per_worker"])
     assert resumed["staleness_histogram"] == whole["staleness_histogram"]
     assert resumed["final_test_accuracy"] == whole["final_test_accuracy"] > 0.8
@@ -389,7 +385,7 @@ def test_a_dead_worker_does_not_hold_back_the_masters_snapshots(tmp_path, monkey
 def test_a_master_snapshot_holds_exactly_the_exchanges_sent_before_each_senders_marker(tmp_path):
     w = [torch.full((3,), float(i + 1)) for i in range(5)]
     live = CenterState(torch.zeros(3), senders=2)
-    snapshots = CenterSnapshots(live, senders=2)
+    snapshots = Snapshots(live, senders=2)
     saved: dict[int, dict[str, torch.Tensor]] = {}
 
     def exchange(sender: int, weights: torch.Tensor) -> None:

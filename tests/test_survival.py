@@ -121,7 +121,7 @@ def _silent_and_dead_peers(comm):
         return None
     if comm.rank == 1:
         channel.send_message(0, [7.0], torch.ones(3))
-        channel.recv(torch.zeros(1), 0, tag=5)
+        channel.recv(torch.zeros(1), 0, tag=5, deadline_s=4 * DEADLINE_S)  # sent once rank 0 gave up on rank 2
         channel.send_done(0, [])
         return None
     heard = []

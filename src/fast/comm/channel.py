@@ -33,6 +33,18 @@ def probe_period(deadline_s: float) -> float:
     return min(0.5, deadline_s / 4)
 
 
+def probe(comm: Comm, peer: int, pending: list[Handle]) -> str | None:
+    """Why `peer` is gone (a send to it fails at once: its connection is closed), or None if it may be alive.
+    Never waits: the send stays pending, unread, at a live peer; it is kept in `pending` for as long as `comm`
+    lives. Unmetered: not training traffic."""
+    try:
+        with comm.unmetered():
+            pending.append(comm.isend(torch.zeros(1), peer, tag=PROBE_TAG))
+    except CommError as e:
+        return str(e)
+    return None
+
+
 class _Waiter:
     """Daemon threads that wait on operations for callers that give up at their own deadline (a stuck wait
     keeps its thread; a daemon thread does not keep the process from exiting)."""
@@ -103,12 +115,7 @@ class PatientChannel:
 
     def probe(self, peer: int) -> str | None:
         """Why `peer` is gone (its connection is closed), or None if it may be alive; never waits."""
-        try:
-            with self.comm.unmetered():
-                self.probes.append(self.comm.isend(torch.zeros(1), peer, tag=PROBE_TAG))
-        except CommError as e:
-            return str(e)
-        return None
+        return probe(self.comm, peer, self.probes)
 
     def unmetered(self) -> Any:
         return self.comm.unmetered()

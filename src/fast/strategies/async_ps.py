@@ -75,13 +75,15 @@ from torch import nn
 
 from fast.codecs import CODECS
 from fast.comm import Handle, MessageLost
+from fast.comm.channel import probe
 from fast.comm.compressed import isend_encoded, recv_encoded, worker_codec
 from fast.config import Config
 from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.snapshots import Snapshots
 
 PUSH, PULL, DONE, CHECKPOINT = 1, 2, 3, 4
-HEADER_TAG, PAYLOAD_TAG, FINAL_TAG, PROBE_TAG, STATS_TAG = 11, 12, 13, 14, 15
+HEADER_TAG, PAYLOAD_TAG, FINAL_TAG, STATS_TAG = 11, 12, 13, 15
 
 
 class AsyncPSOptions(StrategyOptions):
@@ -205,38 +207,6 @@ class ShardState:
         twin = ShardState(self.shard.detach().clone(), self.options, self.lr, self.weight_decay, self.workers)
         twin.load_state_dict(self.state_dict())
         return twin
-
-
-class Snapshots:
-    """A server's snapshots of checkpoint steps under way (the module docstring): which states an update or a
-    pull from a worker goes into, and which snapshots are complete."""
-
-    def __init__(self, live: ShardState, workers: int, committed: int = 0) -> None:
-        self.live = live
-        self.pending: dict[int, ShardState] = {}  # step -> the snapshot of that step's cut, being completed
-        self.marked = dict.fromkeys(range(workers), committed)  # each worker's last checkpoint marker
-        self.committed = committed  # the step of the last complete snapshot
-
-    def states(self, worker: int) -> list[ShardState]:
-        """The live state and every pending snapshot of a step `worker` has not reached yet."""
-        return [self.live, *(state for step, state in self.pending.items() if self.marked[worker] < step)]
-
-    def mark(self, worker: int, step: int) -> None:
-        """`worker` has sent everything of its steps <= `step`: its checkpoint marker for `step`."""
-        self.marked[worker] = max(self.marked[worker], step)
-        if step > self.committed and step not in self.pending:  # the first marker of this step
-            self.pending[step] = self.live.copy()
-
-    def complete(self, gone: set[int]) -> list[tuple[int, ShardState]]:
-        """Remove and return, oldest first, the snapshots every worker not in `gone` (dead, or done: it sends
-        nothing more) has marked."""
-        done = []
-        for step in sorted(self.pending):
-            if any(self.marked[w] < step for w in self.marked if w not in gone):
-                break
-            done.append((step, self.pending.pop(step)))
-            self.committed = step
-        return done
 
 
 class AsyncPS(Strategy):
@@ -387,7 +357,7 @@ class AsyncPS(Strategy):
         done: set[int] = set()
         self.heard = dict.fromkeys(range(self.ctx.workers), time.monotonic())
         self.probed = dict.fromkeys(range(self.ctx.workers), time.monotonic())
-        self.probes: list[Handle] = []  # never received (nobody listens on PROBE_TAG), kept till the end
+        self.probes: list[Handle] = []  # sends nobody receives (`fast.comm.channel.probe`), kept till the end
         while len(done | self.dead) < self.ctx.workers:
             if self._probe(done):
                 break  # the workers not done are all dead
@@ -423,31 +393,33 @@ class AsyncPS(Strategy):
 
     def _answer(self, worker: int, kind: int, pull: int) -> None:
         """A push (its update, or a skip if the gradient was lost on its link), then a pull's answer (droppable)."""
-        states = self.snapshots.states(worker)
-        if kind == PUSH:
-            try:
-                if self.codec is None:
-                    self.world.recv(self.gradient, worker, tag=PAYLOAD_TAG)
+        with self.snapshots.applying(worker) as states:
+            if kind == PUSH:
+                try:
+                    if self.codec is None:
+                        self.world.recv(self.gradient, worker, tag=PAYLOAD_TAG)
+                    else:
+                        shape = self.gradient.shape
+                        self.gradient = recv_encoded(self.world, self.codec, shape, worker, tag=PAYLOAD_TAG)
+                except MessageLost:  # not a death: the update is skipped
+                    for state in states:
+                        state.skip()
                 else:
-                    shape = self.gradient.shape
-                    self.gradient = recv_encoded(self.world, self.codec, shape, worker, tag=PAYLOAD_TAG)
-            except MessageLost:  # not a death: the update is skipped
+                    for state in states:
+                        state.apply(worker, self.gradient)
+            if pull:
+                sent = self.live.shard.detach()
+                self.world.send(sent, worker, tag=PAYLOAD_TAG, droppable=True)
                 for state in states:
-                    state.skip()
-            else:
-                for state in states:
-                    state.apply(worker, self.gradient)
-        if pull:
-            sent = self.live.shard.detach()
-            self.world.send(sent, worker, tag=PAYLOAD_TAG, droppable=True)
-            for state in states:
-                state.pulled(worker, sent)
+                    state.pulled(worker, sent)
 
     def _save_complete_snapshots(self, done: set[int]) -> None:
         """Write every snapshot that no live worker still holds back (a worker that ended sends no more)."""
-        for step, state in self.snapshots.complete(self.dead | done):
-            if self.ctx.save_checkpoint is not None:
-                self.ctx.save_checkpoint({"step": step, "shard": state.state_dict()})
+        self.snapshots.save_complete(self.dead | done, self._save)
+
+    def _save(self, step: int, state: ShardState) -> None:
+        if self.ctx.save_checkpoint is not None:
+            self.ctx.save_checkpoint({"step": step, "shard": state.state_dict()})
 
     def _last_step(self, worker: int) -> int:
         """The last of a worker's steps whose gradient this server has applied."""
@@ -465,13 +437,10 @@ class AsyncPS(Strategy):
             if worker in done or worker in self.dead or not (self.probed[worker] == 0.0 or silent):
                 continue
             self.probed[worker] = now
-            try:
-                with self.world.unmetered():
-                    self.probes.append(self.world.isend(torch.zeros(1), worker, tag=PROBE_TAG))
-            except CommError as e:
-                self.lost(
-                    worker, self._last_step(worker), f"probed after {now - self.heard[worker]:.1f}s of silence: {e}"
-                )
+            gone = probe(self.world, worker, self.probes)
+            if gone is not None:
+                silence = now - self.heard[worker]
+                self.lost(worker, self._last_step(worker), f"probed after {silence:.1f}s of silence: {gone}")
         return len(done | self.dead) == self.ctx.workers
 
     # -- checkpoints ------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ completed), each leader sends the master a CHECKPOINT marker for step N on its o
 (unmetered: not training traffic), and that group's handler reads it after applying those exchanges. The
 first marker for N makes the master copy its state; from then on an exchange from a group that has not sent
 its marker yet goes into both the live state and the copy, one from a group that has goes into the live state
-only (`fast.strategies.easgd.CenterSnapshots`; the handlers still update the live center, and a copy, without a
+only (`fast.strategies.snapshots`; the handlers still update the live center, and a copy, without a
 lock among themselves, but a copy is only taken while no update is under way, so it never holds part of one).
 When every live group's marker is in, the copy holds exactly every group's exchanges of its first N steps and
 none later, and the master writes it (`server<rank>-step<N>.pt`, `server_checkpoints`). On resume every process
@@ -54,7 +54,8 @@ from fast.comm import Comm
 from fast.config import Config
 from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
-from fast.strategies.easgd import CenterSnapshots, CenterState
+from fast.strategies.easgd import CenterState
+from fast.strategies.snapshots import Snapshots
 
 EXCHANGE, DONE, CHECKPOINT = 1, 2, 3  # a header; CHECKPOINT is followed by the step (int64), EXCHANGE by weights
 TAG, FINAL_TAG = 21, 22
@@ -213,7 +214,7 @@ class EAWild(Strategy):
         """A worker's checkpoint, or the master's snapshot (its own file, written through `ctx.save_checkpoint`)."""
         if self.ctx.rank >= self.ctx.workers:
             self.live.load_state_dict(state["center"])
-            self.snapshots = CenterSnapshots(self.live, len(self.leaders), committed=int(state["step"]))
+            self.snapshots = Snapshots(self.live, len(self.leaders), committed=int(state["step"]))
             return
         self.center.copy_(state["center"])
         self.received_center = bool(state["received_center"])
@@ -233,7 +234,7 @@ class EAWild(Strategy):
             self.links[0].recv(self.center, 0, tag=TAG)
         self.live = CenterState(self.center, len(self.leaders))  # a resumed master loads its snapshot into it
         self.staleness = self.live.staleness
-        self.snapshots = CenterSnapshots(self.live, len(self.leaders))
+        self.snapshots = Snapshots(self.live, len(self.leaders))
         self.finished: set[int] = set()  # the groups (indices) that said DONE
         self.failure_lock = threading.Lock()  # handler threads may record deaths at the same time
 

@@ -37,7 +37,7 @@ stopping anyone, as async-ps's servers do: after its step-N checkpoint each work
 CHECKPOINT marker for step N behind its exchanges, on the same ordered channel (unmetered: not training
 traffic). The first marker for N makes the master copy its state; from then on an exchange from a worker that
 has not sent its marker yet goes into both the live state and the copy, one from a worker that has goes into
-the live state only (`CenterSnapshots`). When every live worker's marker is in, the copy holds exactly every
+the live state only (`fast.strategies.snapshots`). When every live worker's marker is in, the copy holds exactly every
 worker's exchanges of its first N steps and none later, and the master writes it (`server<rank>-step<N>.pt`,
 `server_checkpoints`). On resume every process resumes from the newest step all of them hold
 (`fast.checkpoint`), the master from its copy of that step, so the center goes on as it was at that step. A
@@ -48,9 +48,6 @@ gets may. A worker found dead (or done) holds no snapshot back: later ones hold 
 from __future__ import annotations
 
 import copy
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -62,6 +59,7 @@ from fast.errors import CommError, ConfigError
 from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
 from fast.strategies.flat import FlatState
 from fast.strategies.messages import Channel, Listener, PeerDeaths
+from fast.strategies.snapshots import Snapshots
 
 # async: exchanges (and checkpoint markers) go to the master's listener on tags 0 (header) and 1 (weights); it
 # answers on 2
@@ -128,77 +126,6 @@ class CenterState:
         twin = CenterState(torch.empty_like(self.center), len(self.updates))
         twin.load_state_dict(self.state_dict())
         return twin
-
-
-class CenterSnapshots:
-    """A master's snapshots of the checkpoint steps under way (a Chandy-Lamport snapshot over its channels, the
-    module docstring): which states an exchange from a sender goes into, and which snapshots are complete.
-
-    Thread-safe. Exchanges may be applied from several threads at once (`applying`: ea-wild's handlers race on
-    the live center, as they always have); taking a copy, or handing over a complete snapshot, waits until no
-    exchange is being applied and holds new ones off meanwhile, so a copy never holds part of an update. Neither
-    `mark` nor `save_complete` may be called inside `applying`."""
-
-    def __init__(self, live: CenterState, senders: int, committed: int = 0) -> None:
-        self.live = live
-        self.pending: dict[int, CenterState] = {}  # step -> the snapshot of that step's cut, being completed
-        self.marked = [committed] * senders  # each sender's last checkpoint marker
-        self.committed = committed  # the step of the last complete snapshot
-        self._lock = threading.Condition()
-        self._applying = 0  # exchanges being applied now
-        self._holding = 0  # copies and hand-overs waiting for those to end (new exchanges wait for them)
-        self._saving = threading.Lock()  # complete snapshots are written one at a time, oldest first
-
-    @contextmanager
-    def applying(self, sender: int) -> Iterator[list[CenterState]]:
-        """The states an exchange from `sender` goes into: the live one and every snapshot of a step it has not
-        marked yet; apply it to each inside the context."""
-        with self._lock:
-            while self._holding:
-                self._lock.wait()
-            self._applying += 1
-            states = [self.live, *(state for step, state in self.pending.items() if self.marked[sender] < step)]
-        try:
-            yield states
-        finally:
-            with self._lock:
-                self._applying -= 1
-                self._lock.notify_all()
-
-    @contextmanager
-    def _quiet(self) -> Iterator[None]:
-        """Hold the lock while no exchange is being applied."""
-        with self._lock:
-            self._holding += 1
-            try:
-                while self._applying:
-                    self._lock.wait()
-                yield
-            finally:
-                self._holding -= 1
-                self._lock.notify_all()
-
-    def mark(self, sender: int, step: int) -> None:
-        """`sender` has sent every exchange of its first `step` steps: its checkpoint marker for `step`."""
-        with self._quiet():
-            self.marked[sender] = max(self.marked[sender], step)
-            if step > self.committed and step not in self.pending:  # the first marker of this step
-                self.pending[step] = self.live.copy()
-
-    def save_complete(self, gone: set[int], save: Callable[[int, CenterState], None]) -> list[int]:
-        """Hand every snapshot that every sender not in `gone` (dead, or done: it sends nothing more) has marked
-        to `save(step, state)`, oldest first, and forget it; returns their steps."""
-        with self._saving:
-            complete = []
-            with self._quiet():
-                for step in sorted(self.pending):
-                    if any(marked < step for sender, marked in enumerate(self.marked) if sender not in gone):
-                        break
-                    complete.append((step, self.pending.pop(step)))
-                    self.committed = step
-            for step, state in complete:
-                save(step, state)
-        return [step for step, _ in complete]
 
 
 class EASGD(Strategy):
@@ -317,7 +244,7 @@ class EASGD(Strategy):
         """A worker's checkpoint, or the master's snapshot (its own file, written through `ctx.save_checkpoint`)."""
         if self.ctx.rank >= self.ctx.workers:
             self.live.load_state_dict(state["center"])
-            self.snapshots = CenterSnapshots(self.live, self.ctx.workers, committed=int(state["step"]))
+            self.snapshots = Snapshots(self.live, self.ctx.workers, committed=int(state["step"]))
             return
         self.center.copy_(state["center"])
 
@@ -335,7 +262,7 @@ class EASGD(Strategy):
             self.channel.recv(self.center, 0, INIT_TAG)
         self.live = CenterState(self.center, self.ctx.workers)  # a resumed master loads its snapshot into it
         self.staleness = self.live.staleness
-        self.snapshots = CenterSnapshots(self.live, self.ctx.workers)
+        self.snapshots = Snapshots(self.live, self.ctx.workers)
         self.deaths = PeerDeaths(self)
 
     def serve(self, model: nn.Module) -> None:

@@ -259,13 +259,14 @@ class Gossip(Strategy):
         self.state = FlatState.of_replica(model)
         self.rounds = GossipRounds(self.options, self.comm.size, self.ctx.config.run.seed)
         self.exchanges = self.steps = self.lost_messages = 0
-        # exchanges wait at most the deadline without letting gloo time out (which would cut this worker off
-        # from every neighbour): a frozen neighbour is then dropped like a dead one
-        self.channel = PatientChannel(self.comm)
         self.newly_dead: set[int] = set()  # topology indices found dead in the current round
         codec = self.ctx.config.codec
         self.choco: ChocoGossip | None = None
-        if codec.name != "none":
+        if codec.name == "none":
+            # D-PSGD's exchanges wait at most the deadline without letting gloo time out, which would cut this
+            # worker off from every neighbour, not just the silent one
+            self.channel = PatientChannel(self.comm)
+        else:
             i, topology, ranks = self.comm.index(), self.rounds.topology, self.comm.ranks
             self.choco = ChocoGossip(
                 self.comm,
