@@ -1,13 +1,58 @@
-"""Shared test set-up: quiet progress output, one thread per process, and a process-table check."""
+"""Shared test set-up: quiet progress output, one thread per process, and a process-table check.
 
+`FAST_TEST_SEED=k` makes every `fast.train` of the tests use run.seed = k (unless the test sets one), and
+`FAST_SPREAD_LOG=FILE` appends each run's final accuracy there: `bench/accuracy_spread.py` uses both to
+measure the spread of the nondeterministic tests' accuracies over seeds, from which their bars are set.
+"""
+
+import json
 import os
+import signal
 
 import psutil
 import pytest
 import torch
 
+import fast
+
 os.environ.setdefault("FAST_PROGRESS", "0")
 torch.set_num_threads(1)
+# started in the background (`make test &`), a shell hands its children SIGINT ignored; the Ctrl-C tests need it
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "nondeterministic: asserts an accuracy bar on a run whose result depends on timing (asynchrony, threads); "
+        "its bar comes from `bench/accuracy_spread.py`",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _seeded_runs(request, monkeypatch):
+    """Under FAST_TEST_SEED / FAST_SPREAD_LOG: every run of the test seeded alike, and its accuracy logged."""
+    seed, log = os.environ.get("FAST_TEST_SEED"), os.environ.get("FAST_SPREAD_LOG")
+    if seed is None and log is None:
+        yield
+        return
+    train, calls = fast.train, [0]
+
+    def seeded_train(*args, **overrides):
+        if seed is not None and "resume" not in overrides:
+            overrides.setdefault("run__seed", int(seed))
+        summary = train(*args, **overrides)
+        if log is not None:
+            calls[0] += 1
+            record = {"test": request.node.nodeid, "call": calls[0], "seed": seed}
+            record["accuracy"] = summary.get("final_test_accuracy")
+            with open(log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return summary
+
+    monkeypatch.setattr(fast, "train", seeded_train)
+    yield
 
 
 def _helper(p: psutil.Process) -> bool:

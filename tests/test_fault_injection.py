@@ -15,6 +15,7 @@ from tests.test_survival import JOB as SURVIVAL_JOB
 JOB = {**SURVIVAL_JOB, "network__bandwidth": "1Gbit", "network__latency": "1ms"}  # faults need emulation
 
 
+@pytest.mark.nondeterministic
 @pytest.mark.parametrize("crash", [{"worker": 2, "step": 10}, {"worker": 1, "time": "1s"}], ids=["step", "time"])
 def test_an_injected_crash_under_gossip_is_survived_and_recorded(tmp_path, no_orphans, crash):
     job = {**JOB, "run__epochs": 20} if "time" in crash else JOB  # long enough to be running at 1 s

@@ -21,6 +21,7 @@ JOB = {
 }
 
 
+@pytest.mark.nondeterministic
 @pytest.mark.parametrize("strategy", ["sync", "hogwild"])
 def test_a_run_stops_when_its_time_is_up_and_reports_what_it_did(tmp_path, no_orphans, strategy):
     summary = fast.train(None, out=str(tmp_path), strategy__name=strategy, **JOB)
@@ -48,6 +49,7 @@ def _dies_at_step_8_on_worker_2(model, x, y):
 _dies_at_step_8_on_worker_2.calls = 0
 
 
+@pytest.mark.nondeterministic
 def test_gossip_survivors_agree_on_the_end_of_time_without_the_dead_worker(tmp_path, no_orphans):
     job = {**JOB, "run__workers": 4, "run__max_time": "4s", "run__deadline_s": 2.0}
     summary = fast.train(None, out=str(tmp_path), step_fn=_dies_at_step_8_on_worker_2, strategy__name="gossip", **job)

@@ -183,6 +183,7 @@ def test_sync_easgd_exchange_follows_the_elastic_update(scenarios):
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.nondeterministic
 def test_ssp_trains_end_to_end_and_reports_bounded_staleness(tmp_path, no_orphans):
     summary = fast.train(
         None,
@@ -194,11 +195,12 @@ def test_ssp_trains_end_to_end_and_reports_bounded_staleness(tmp_path, no_orphan
         strategy__name="ssp",
         strategy__staleness=1,
     )
-    assert summary["final_test_accuracy"] > 0.8
+    assert summary["final_test_accuracy"] > 0.65
     assert set(summary["staleness_histogram"]) <= {"0", "1"} and summary["max_staleness"] <= 1
     assert len(summary["worker_test_accuracy"]) == 3 and summary["staleness_bound"] == 1
 
 
+@pytest.mark.nondeterministic
 def test_async_easgd_runs_with_a_master_and_reports_the_center(tmp_path, no_orphans):
     summary = fast.train(
         None,
@@ -206,13 +208,13 @@ def test_async_easgd_runs_with_a_master_and_reports_the_center(tmp_path, no_orph
         data__name="digits",
         model__name="mlp",
         run__workers=2,
-        run__epochs=2,
+        run__epochs=4,
         strategy__name="easgd",
         strategy__variant="async",
         strategy__tau=2,
     )
     assert summary["servers"] == 1 and summary["final_model"] == "center"
-    assert summary["final_test_accuracy"] > 0.8
+    assert summary["final_test_accuracy"] > 0.85
     # an exchange every 2 steps after step 0 on each of the 2 workers, one center update per exchange
     assert summary["center_updates"] == 2 * ((summary["steps_per_worker"] - 1) // 2)
     assert summary["max_staleness"] >= 1 and summary["bytes_sent"] > 0

@@ -14,6 +14,7 @@ from fast.models import build_model
 from fast.strategies import StrategyContext, build_strategy, strategy_class, strategy_options
 from fast.strategies.async_ps import compensated_gradient, shard_bounds
 from fast.strategies.hogwild import SHARED_DIR
+from fast.strategies.base import ModelLayout
 from tests.distributed import run_distributed
 
 STEPS, BATCH, LR = 6, 16, 0.1
@@ -29,8 +30,8 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _drive(world: Comm, workers: int, overrides: dict) -> torch.Tensor | None:
-    """What fast.worker does with a strategy that has servers, on hand-made batches: returns worker 0's
-    final flat weights (None on servers)."""
+    """What the job does with a strategy that has servers, on hand-made batches: returns worker 0's final
+    flat weights (None on servers)."""
     config = load_config(None, run__workers=workers, optimizer__lr=LR, **overrides)
     comm = world.subgroups([list(range(workers)), list(range(workers, world.size))])
     torch.manual_seed(0)
@@ -48,9 +49,9 @@ def _drive(world: Comm, workers: int, overrides: dict) -> torch.Tensor | None:
     )
     strategy = build_strategy(config, ctx)
     if world.rank >= workers:
-        strategy.setup_server(model)
+        strategy.setup_server(ModelLayout.of(model))
         world.barrier()
-        strategy.serve(model)
+        strategy.serve()
         return None
     strategy.setup(model, optimizer)
     world.barrier()
@@ -134,6 +135,7 @@ def _mlp_numel() -> int:
     return sum(p.numel() for p in build_model("mlp", (1, 8, 8), 10).parameters())
 
 
+@pytest.mark.nondeterministic
 def test_async_ps_run_sends_exact_bytes_records_staleness_and_exits(tmp_path, no_orphans):
     workers, servers = 2, 2
     summary = fast.train(
@@ -142,7 +144,7 @@ def test_async_ps_run_sends_exact_bytes_records_staleness_and_exits(tmp_path, no
         data__name="digits",
         model__name="mlp",
         run__workers=workers,
-        run__epochs=1,
+        run__epochs=3,
         run__batch_size=32,
         strategy__name="async-ps",
         strategy__servers=servers,
@@ -157,9 +159,10 @@ def test_async_ps_run_sends_exact_bytes_records_staleness_and_exits(tmp_path, no
     assert summary["bytes_sent"] == workers * (worker_bytes + server_bytes)
     assert sum(summary["staleness_histogram"].values()) == servers * workers * steps
     assert summary["max_staleness"] >= 1  # two workers interleave
-    assert summary["final_test_accuracy"] > 0.5
+    assert summary["final_test_accuracy"] > 0.8
 
 
+@pytest.mark.nondeterministic
 def test_async_ps_on_a_lossy_link_skips_lost_pushes_keeps_its_weights_on_lost_pulls_and_still_learns(
     tmp_path, no_orphans
 ):
@@ -194,6 +197,7 @@ def test_ea_wild_options_are_checked():
         load_config(None, optimizer__lr=0.5, strategy__name="ea-wild", strategy__rho=2.0)
 
 
+@pytest.mark.nondeterministic
 def test_ea_wild_groups_run_sends_exact_bytes_and_exits(tmp_path, no_orphans):
     workers, group, tau = 4, 2, 2
     summary = fast.train(
@@ -202,7 +206,7 @@ def test_ea_wild_groups_run_sends_exact_bytes_and_exits(tmp_path, no_orphans):
         data__name="digits",
         model__name="mlp",
         run__workers=workers,
-        run__epochs=1,
+        run__epochs=3,
         run__batch_size=32,
         strategy__name="ea-wild",
         strategy__group_size=group,
@@ -218,7 +222,7 @@ def test_ea_wild_groups_run_sends_exact_bytes_and_exits(tmp_path, no_orphans):
     gradients = workers * steps * 4 * n  # ring all-reduce inside a group of 2 sends the whole vector
     center_in_group = (exchanges + 1) * 4 * n  # each leader broadcasts each center to its one member
     assert summary["bytes_sent"] == groups * (leader + master + center_in_group) + gradients
-    assert summary["final_test_accuracy"] > 0.5
+    assert summary["final_test_accuracy"] > 0.8
 
 
 # -- hogwild --------------------------------------------------------------------------------------------------
@@ -231,6 +235,7 @@ def test_hogwild_refuses_runs_that_span_machines(monkeypatch):
         load_config(None, strategy__name="hogwild")
 
 
+@pytest.mark.nondeterministic
 def test_hogwild_trains_one_shared_model_with_no_bytes_on_the_wire_and_leaves_no_file(tmp_path, no_orphans):
     before = set(SHARED_DIR.glob("fast-hogwild-*"))
     summary = fast.train(
@@ -245,6 +250,6 @@ def test_hogwild_trains_one_shared_model_with_no_bytes_on_the_wire_and_leaves_no
     assert summary["bytes_sent"] == 0 and summary["wire"].startswith("none")
     assert summary["shared_memory_bytes"] == 8 * 2 + 4 * _mlp_numel()
     assert sum(summary["staleness_histogram"].values()) == 2 * summary["steps_per_worker"]
-    assert summary["final_test_accuracy"] > 0.8
+    assert summary["final_test_accuracy"] > 0.75
     assert set(SHARED_DIR.glob("fast-hogwild-*")) <= before
     assert Path(tmp_path, "model.pt").is_file()

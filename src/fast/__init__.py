@@ -1,10 +1,60 @@
-"""FAST: Flexible (A)synchronous Scalable Training of PyTorch models across many workers."""
+"""FAST: Flexible (A)synchronous Scalable Training of PyTorch models across many workers.
+
+Your own loop (started by `fast run SCRIPT` or torchrun):
+
+    job = fast.init("job.toml")                        # or a dict, or None; overrides as strategy__name="gossip"
+    model, optimizer = job.prepare(model, optimizer)
+    loader = job.loader(train_set, batch_size=64)
+    ...
+    summary = job.finish()
+
+FAST's own loop: `fast.train(config)`; several variants and a report: `fast.compare(config, out)`.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 __version__ = "0.1.0"
+
+
+def init(config: Any = None, *, out: Any = None, resume: Any = None, **overrides: Any) -> Any:
+    """Join the run and return its `fast.Job` (see fast.runtime.job). A server process never returns."""
+    from fast.runtime.job import init as _init
+
+    return _init(config, out=out, resume=resume, **overrides)
+
+
+def job() -> Any:
+    """The job `fast.init` started in this process (FastError if none)."""
+    from fast.runtime.job import current
+
+    return current()
+
+
+def prepare(model: Any, optimizer: Any) -> Any:
+    """`fast.job().prepare(model, optimizer)`."""
+    return job().prepare(model, optimizer)
+
+
+def loader(dataset: Any, batch_size: int | None = None, **options: Any) -> Any:
+    """`fast.job().loader(dataset, batch_size, ...)`."""
+    return job().loader(dataset, batch_size, **options)
+
+
+def log(loss: Any = None, **values: Any) -> None:
+    """`fast.job().log(loss=..., ...)`."""
+    job().log(loss, **values)
+
+
+def evaluate(eval_fn: Any = None) -> dict[str, float]:
+    """`fast.job().evaluate(eval_fn)`."""
+    return job().evaluate(eval_fn)
+
+
+def finish(eval_fn: Any = None) -> dict[str, Any] | None:
+    """`fast.job().finish(eval_fn)`."""
+    return job().finish(eval_fn)
 
 
 def train(
@@ -16,7 +66,7 @@ def train(
     resume: str | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Train with a config (TOML path, dict or Config) and dotted overrides; returns the run's summary.
+    """Train with FAST's own loop: a config (TOML path, dict or Config) and dotted overrides; returns the summary.
 
     `model_fn(input_shape, num_classes) -> nn.Module` and `step_fn(model, x, y) -> loss` replace the built-in
     model and the cross-entropy step; both must be importable top-level functions (workers are processes).
@@ -27,6 +77,14 @@ def train(
     return _train(config, out=out, model_fn=model_fn, step_fn=step_fn, resume=resume, **overrides)
 
 
+def run(script: str, *args: str, workers: int | None = None, config: str | None = None, out: Any = None,
+        **overrides: Any) -> dict[str, Any] | None:  # fmt: skip
+    """`fast run`: your script (which calls fast.init) on `workers` local processes; returns the summary."""
+    from fast.run import run_script
+
+    return run_script(script, list(args), workers=workers, config=config, out=out, **overrides)
+
+
 def compare(config: Any, out: str | None = None, **overrides: Any) -> Any:
     """Run every `[[variant]]` of a config (TOML path or dict) into `out`/<variant> and write report.html there;
     returns a `fast.compare.Comparison` (the report's path and how each variant ended). Overrides as in `train`."""
@@ -35,4 +93,24 @@ def compare(config: Any, out: str | None = None, **overrides: Any) -> Any:
     return _compare(config, out, **overrides)
 
 
-__all__ = ["__version__", "compare", "train"]
+def __getattr__(name: str) -> Any:
+    if name == "Job":
+        from fast.runtime.job import Job
+
+        return Job
+    raise AttributeError(f"module 'fast' has no attribute {name!r}")
+
+
+__all__ = [
+    "__version__",
+    "compare",
+    "evaluate",
+    "finish",
+    "init",
+    "job",
+    "loader",
+    "log",
+    "prepare",
+    "run",
+    "train",
+]

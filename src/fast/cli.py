@@ -22,11 +22,29 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from fast.run import train
-
-    summary = train(args.config, out=args.out, resume=args.resume, **_overrides(args.set))
     from fast.summary_text import print_summary
 
-    print_summary(summary)
+    summary = train(args.config, out=args.out, resume=args.resume, **_overrides(args.set))
+    if summary:  # under torchrun only rank 0 has it
+        print_summary(summary)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fast.run import run_script
+    from fast.summary_text import print_summary
+
+    summary = run_script(
+        args.script,
+        args.args,
+        workers=args.workers,
+        config=args.config,
+        out=args.out,
+        resume=args.resume,
+        **_overrides(args.set),
+    )
+    if summary:
+        print_summary(summary)
     return 0
 
 
@@ -66,6 +84,20 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
     t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     t.set_defaults(func=cmd_train)
+    run = sub.add_parser(
+        "run",
+        help="run your own training script on N workers: fast run [--workers N] [--config job.toml] SCRIPT [args]",
+        description="Start SCRIPT (which calls fast.init) in every process of a run on this machine; launcher "
+        "options come before the script, the script's own arguments after it.",
+    )
+    run.add_argument("--workers", "-n", type=int, help="worker processes (default: the config's run.workers)")
+    run.add_argument("--config", help="TOML config; replaces the one the script gives fast.init")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    run.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
+    run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    run.add_argument("script", help="a Python script that calls fast.init")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.set_defaults(func=cmd_run)
     top = sub.add_parser("topology", help="print a topology's neighbours, mixing weights and spectral gap")
     top.add_argument("spec", help='e.g. "torus:4x4", "ring", "exponential", "random-regular:3"')
     top.add_argument("--workers", "-n", type=int, help="number of workers (implied by torus:RxC)")
@@ -89,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except FastError as e:
+        shown = getattr(e, "traceback", None)
+        if shown:  # the user's code raised: its own traceback, once
+            print(shown.rstrip(), file=sys.stderr)
         print(f"fast: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -36,7 +36,14 @@ LINGER_S = 1.0  # under the elastic agent, seconds a worker that lost a peer wai
 
 
 class WorkerFailed(FastError):
-    """A worker process ended with an error; the run was stopped."""
+    """A worker process ended with an error; the run was stopped. Its exit code is the failed worker's (2 for a
+    configuration error), and `traceback` the user code's traceback when that raised."""
+
+    def __init__(self, message: str, exit_code: int | None = None, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.traceback = traceback
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 class Interrupted(WorkerFailed):
@@ -61,21 +68,39 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
         # plain pickle copies tensors (the queue's own pickler would share them through file descriptors
         # that vanish when this process exits); this is a local pipe between our own processes, not the wire
         results.put((rank, "ok", pickle.dumps(fn(*args))))
+    except SystemExit as e:  # a server's end (fast.init), or a script's sys.exit
+        if e.code in (None, 0):
+            results.put((rank, "ok", pickle.dumps(None)))
+            return
+        code = e.code if isinstance(e.code, int) else 1
+        results.put((rank, "error", pickle.dumps(Failure(f"exited with code {code}", code))))
+        raise SystemExit(code) from None
     except BaseException as e:  # report every failure as one line to the launcher
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if not isinstance(e, FastError):
-            message = f"{type(e).__name__}: {message}"
-            if os.environ.get("FAST_DEBUG"):
-                traceback.print_exc()
-        results.put((rank, "comm-error" if isinstance(e, CommError) else "error", message))
+        results.put((rank, "error", pickle.dumps(failure_of(e))))
         raise SystemExit(1) from None
+
+
+class Failure:
+    """How a process failed: one line, the exit code the run should end with, and for an error that is not
+    FAST's own (the user's code raised) its traceback, shown once."""
+
+    def __init__(self, message: str, exit_code: int = 1, traceback: str | None = None, secondary: bool = False):
+        self.message, self.exit_code, self.traceback, self.secondary = message, exit_code, traceback, secondary
+
+
+def failure_of(e: BaseException) -> Failure:
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, FastError):
+        return Failure(message, e.exit_code, None, secondary=isinstance(e, CommError))
+    shown = traceback.format_exc() if not isinstance(e, KeyboardInterrupt) else None
+    return Failure(f"{type(e).__name__}: {message}", 1, shown)
 
 
 def _context() -> Any:
     """Processes forked from a server that has imported torch once: starting a worker costs milliseconds, not
     the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["fast.worker", "torch._dynamo"])
+    ctx.set_forkserver_preload(["fast.loop", "torch._dynamo"])
     return ctx
 
 
@@ -150,11 +175,11 @@ def launch(
     outputs.update(_drain(results))
     if interrupted:
         raise Interrupted("interrupted (Ctrl-C): every worker was stopped")
-    if survivable and not isinstance(outputs.get(0), _Error) and exited.get(0) == 0:
-        return {rank: value for rank, value in outputs.items() if not isinstance(value, _Error)}
+    if survivable and not isinstance(outputs.get(0), Failure) and exited.get(0) == 0:
+        return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, exited)
     if failure is not None:
-        raise WorkerFailed(failure)
+        raise WorkerFailed(failure.message, failure.exit_code, failure.traceback)
     return outputs
 
 
@@ -191,6 +216,10 @@ def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[
         )
     try:
         return pickle.dumps(fn(*args))
+    except SystemExit as e:  # a server's end (fast.init)
+        if e.code in (None, 0):
+            return pickle.dumps(None)
+        raise
     except CommError:
         # a lost connection is most often a peer's death: the agent reports only the first process it finds
         # ended, so linger for it to find the peer first (a real deadline is still reported, a second later)
@@ -278,30 +307,26 @@ def launch_elastic(
     return {rank: pickle.loads(value) for rank, value in outputs.items()}
 
 
-class _Error:
-    def __init__(self, message: str, secondary: bool) -> None:
-        self.message, self.secondary = message, secondary
-
-
 def _drain(results: Any) -> dict[int, Any]:
     out = {}
     while not results.empty():
-        rank, status, value = results.get()
-        out[rank] = pickle.loads(value) if status == "ok" else _Error(value, status == "comm-error")
+        rank, _, value = results.get()
+        out[rank] = pickle.loads(value)
     return out
 
 
-def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> str | None:
+def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> Failure | None:
     """The failure that explains the others: a worker's own error or death before a peer's lost connection."""
     causes = []
     for rank, value in outputs.items():
-        if isinstance(value, _Error):
-            causes.append((value.secondary, rank, f"worker {rank} failed: {value.message}"))
+        if isinstance(value, Failure):
+            named = Failure(f"worker {rank} failed: {value.message}", value.exit_code, value.traceback)
+            causes.append((value.secondary, rank, named))
     for rank, code in exited.items():
         if code != 0 and rank not in outputs:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            causes.append((False, rank, f"worker {rank} {how}; the run was stopped"))
-    return min(causes)[2] if causes else None
+            causes.append((False, rank, Failure(f"worker {rank} {how}; the run was stopped")))
+    return min(causes, key=lambda c: (c[0], c[1]))[2] if causes else None
 
 
 def _stop(procs: list[Any]) -> None:

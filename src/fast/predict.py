@@ -110,8 +110,9 @@ def _dataset(config: Config) -> Dataset:
 
 def measure_compute_s(config: Config, dataset: Dataset, model: nn.Module | None = None, step_fn: Any = None) -> float:
     """Median seconds of one step's computation (forward, backward, optimizer) for one worker of the run."""
+    from fast.loop import cross_entropy_step
     from fast.models import build_model
-    from fast.worker import build_optimizer, cross_entropy_step
+    from fast.optim import build_optimizer
 
     model = (
         copy.deepcopy(model)
@@ -237,14 +238,13 @@ def predict(
 ) -> Prediction:
     """The predicted step of one config; `compute_s` (one step's computation) is measured when not given."""
     from fast.models import build_model
-    from fast.worker import steps_per_epoch
 
     dataset = dataset if dataset is not None else _dataset(config)
     run = config.run
     if model is None:
         model = build_model(config.model.name, dataset.input_shape, dataset.num_classes)
     shards = partition(dataset.y_train, run.workers, config.data.partition, alpha=config.data.alpha, seed=run.seed)
-    steps = steps_per_epoch(shards, run.batch_size)
+    steps = max(1, min(len(s) for s in shards) // run.batch_size)  # the smallest shard decides
     link, inner_link = _links_between_workers(config)
     nbytes = message_bytes(config, model)
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -279,19 +279,21 @@ def predict(
     return replace(base, cost=cost)
 
 
-def predicted_step_time(
-    config: Config,
-    *,
-    dataset: Dataset | None = None,
-    model: nn.Module | None = None,
-    compute_s: float | None = None,
-) -> float:
-    """Predicted seconds per step of `config` (ConfigError when its strategy has no cost model); one step's
-    computation takes `compute_s` (e.g. as measured in the run itself), else it is measured here."""
-    prediction = predict(config, dataset=dataset, model=model, compute_s=compute_s)
-    if prediction.cost is None:
-        raise ConfigError(f"cannot predict the step time: {prediction.problem}")
-    return prediction.cost.time_s
+def predicted_step_time(config: Config, *, model: nn.Module, compute_s: float) -> float:
+    """Predicted seconds per step of `config` (ConfigError when its strategy has no cost model), when one step's
+    computation takes `compute_s` (e.g. as measured in the run itself)."""
+    if config.strategy.name not in COST_OPTIONS:
+        raise ConfigError(f"cannot predict the step time: no cost model for strategy {config.strategy.name!r}")
+    link, inner_link = _links_between_workers(config)
+    cost = step_cost(
+        config.strategy.name,
+        nbytes=message_bytes(config, model),
+        workers=config.run.workers,
+        link=link,
+        compute_s=effective_compute_s(config, compute_s),
+        **cost_options(config, inner_link),
+    )
+    return cost.time_s
 
 
 def config_for_prediction(data: dict[str, Any]) -> Config:

@@ -77,6 +77,13 @@ def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> 
     return CommError(f"{op} with {peer} failed: {text}")
 
 
+def sender_of(work: Any, group: Any) -> int:
+    """The global rank whose message a completed receive-from-any took. (torch's own `recv` asks the same of the
+    work's group rank; the public `Work.source_rank` is deprecated and prints a C++ warning at every call.)"""
+    local = work._source_rank()
+    return local if group is None else dist.get_global_rank(group, local)
+
+
 def _post(op: str, peer: str, deadline_s: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Start a point-to-point operation; a connection already known to be closed fails here, not at wait()."""
     try:
@@ -126,14 +133,16 @@ class Comm:
         self._channels.append(comm)
         return comm
 
-    def subgroups(self, partition: list[list[int]]) -> Comm | None:
-        """Split into groups (collective: every rank calls with the same partition); returns this rank's."""
+    def subgroups(self, partition: list[list[int]], *, gloo: bool = False) -> Comm | None:
+        """Split into groups (collective: every rank calls with the same partition); returns this rank's. With
+        `gloo`, the groups are gloo groups on the CPU whatever this one's backend (control traffic)."""
         mine = None
-        backend = dist.get_backend(self.group)
+        backend = "gloo" if gloo else dist.get_backend(self.group)
+        device = "cpu" if gloo else self.device
         for ranks in partition:
             group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.deadline_s))
             if self.rank in ranks:
-                mine = self._derived(group=group, ranks=list(ranks), device=self.device)
+                mine = self._derived(group=group, ranks=list(ranks), device=device)
         return mine
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
@@ -155,7 +164,7 @@ class Comm:
         work = _post("recv", peer, self.deadline_s, dist.irecv, tensor, src=src, group=self.group, tag=tag)
 
         def done() -> torch.Tensor:
-            peer = src if src is not None else work.source_rank()
+            peer = src if src is not None else sender_of(work, self.group)
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor
 
@@ -171,7 +180,7 @@ class Comm:
         """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
         work = _post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
         Handle(work, "recv", "any worker", self.deadline_s).wait()
-        peer = work.source_rank()
+        peer = sender_of(work, self.group)
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
         return peer
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fast.comm.comm import Comm, Handle, MessageLost, _post
+from fast.comm.comm import Comm, Handle, MessageLost, _post, sender_of
 from fast.comm.links import LinkTable
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waiting
@@ -291,7 +291,7 @@ class EmulatedComm(Comm):
         work = _post("recv", name, self.deadline_s, dist.irecv, wire, src=src, group=self.group, tag=tag)
 
         def peer() -> int:
-            return src if src is not None else work.source_rank()
+            return src if src is not None else sender_of(work, self.group)
 
         ready: list[float] = []
 
@@ -339,7 +339,7 @@ class EmulatedComm(Comm):
         name = f"worker {src}" if src is not None else "any worker"
         work = _post("recv", name, self.deadline_s, dist.irecv, header, src=src, group=self.group, tag=tag)
         Handle(work, "recv", name, self.deadline_s).wait()
-        peer = src if src is not None else work.source_rank()
+        peer = src if src is not None else sender_of(work, self.group)
         stamp = _read_header(header)
         lost, n = stamp.lost, stamp.length
         if n < 0 or n > (1 << 34):

@@ -79,7 +79,7 @@ from fast.comm.channel import probe
 from fast.comm.compressed import isend_encoded, recv_encoded, worker_codec
 from fast.config import Config
 from fast.errors import CommError, ConfigError
-from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.base import ModelLayout, Strategy, StrategyOptions
 from fast.strategies.snapshots import Snapshots
 
 PUSH, PULL, DONE, CHECKPOINT = 1, 2, 3, 4
@@ -233,8 +233,8 @@ class AsyncPS(Strategy):
             )
 
     # -- shared by workers and servers ------------------------------------------------------------------------
-    def _layout(self, model: nn.Module) -> None:
-        self.numel = sum(p.numel() for p in model.parameters())
+    def _layout(self, numel: int) -> None:
+        self.numel = numel
         self.servers = list(range(self.ctx.workers, self.ctx.workers + self.options.servers))
         self.bounds = shard_bounds(self.numel, self.options.servers)
         codec = self.ctx.config.codec
@@ -243,7 +243,7 @@ class AsyncPS(Strategy):
     # -- worker side ------------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
-        self._layout(model)
+        self._layout(sum(p.numel() for p in model.parameters()))
         self.accumulated = torch.zeros(self.numel, device=self.ctx.device)
         self.pulled = torch.empty(self.numel, device=self.ctx.device)
         self.steps_since_push = 0
@@ -336,8 +336,8 @@ class AsyncPS(Strategy):
         load_flat(self.model, self.pulled)
 
     # -- server side ------------------------------------------------------------------------------------------
-    def setup_server(self, model: nn.Module) -> None:
-        self._layout(model)
+    def setup_server(self, layout: ModelLayout) -> None:
+        self._layout(layout.parameters)
         index = self.ctx.rank - self.ctx.workers
         start, end = self.bounds[index]
         shard = torch.empty(end - start, device=self.ctx.device)
@@ -350,7 +350,7 @@ class AsyncPS(Strategy):
         self.snapshots = Snapshots(self.live, self.ctx.workers)
         self.lost_pulls = 0  # as the workers report them with DONE
 
-    def serve(self, model: nn.Module) -> None:
+    def serve(self) -> None:
         """Answer pushes and pulls from any worker in arrival order until every live worker is done."""
         header = torch.zeros(2, dtype=torch.int64)
         self.gradient = torch.empty_like(self.live.shard)

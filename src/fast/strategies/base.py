@@ -34,6 +34,20 @@ class StrategyOptions(Section):
         raise ValueError('expected "average", "best" or "worker:K"')
 
 
+@dataclass(frozen=True)
+class ModelLayout:
+    """What a server process knows of the model, which it never holds: the number of parameter elements and of
+    state elements (parameters and floating-point buffers, in state_dict order). Worker 0 sends it."""
+
+    parameters: int
+    state: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelLayout:
+        state = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+        return cls(sum(p.numel() for p in model.parameters()), state)
+
+
 @dataclass
 class StrategyContext:
     """What a strategy may use: its group, the whole world (servers too), the run's config and a seeded RNG."""
@@ -45,8 +59,9 @@ class StrategyContext:
     workers: int
     rank: int
     generator: torch.Generator
-    steps_per_epoch: int
-    validation: tuple[torch.Tensor, torch.Tensor] | None = None
+    steps_per_epoch: int  # known once the job has a loader (1 until then)
+    # the score of a replica for `final_model = "best"` (higher is better), e.g. accuracy on a validation split
+    score: Callable[[nn.Module], float] | None = None
     log: Any = field(default=print)
     # a server process hands its checkpoint state here when it has one (fast.worker writes it atomically and
     # gives it back to `load_state_dict` on resume); None where nothing is checkpointed
@@ -75,6 +90,8 @@ class Strategy:
     # True: the servers write checkpoints of their own (through `ctx.save_checkpoint`, a dict with its "step"),
     # so on resume they take part in choosing the step every process resumes from (fast.checkpoint)
     server_checkpoints: ClassVar[bool] = False
+    # True: the strategy checks its gradients for NaN/Inf itself (and sets `gradients_were_bad`), so the job does not
+    checks_gradients: ClassVar[bool] = False
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options
@@ -86,6 +103,9 @@ class Strategy:
         self.failures: list[dict[str, Any]] = []
         self.model: nn.Module
         self.optimizer: torch.optim.Optimizer
+        self.accumulating = False  # inside job.no_sync(): a backward only accumulates gradients
+        self.contributing = True  # False in a step without data (a worker that finished early): send nothing of it
+        self.gradients_were_bad = False  # set by strategies that `checks_gradients`, per step
 
     # -- processes -----------------------------------------------------------------------------------------
     @classmethod
@@ -97,11 +117,11 @@ class Strategy:
     def check(cls, options: StrategyOptions, config: Config) -> None:
         """Raise ConfigError for option combinations that cannot work with this config."""
 
-    def setup_server(self, model: nn.Module) -> None:
+    def setup_server(self, layout: ModelLayout) -> None:
         """Called once on a server process before the common start barrier (create the same process groups
         as the workers' `setup`, in the same order); `serve` follows the barrier."""
 
-    def serve(self, model: nn.Module) -> None:
+    def serve(self) -> None:
         """The loop of a server process (rank >= workers); only strategies with servers implement it."""
         raise NotImplementedError(f"strategy {self.name} has no server processes")
 
@@ -149,6 +169,17 @@ class Strategy:
         )
         self.ctx.log(f"worker {self.ctx.rank}: worker {peer} is gone ({how}); going on without it")
 
+    def score(self, model: nn.Module) -> float:
+        """A replica's validation score for `final_model = "best"`."""
+        if self.ctx.score is None:
+            from fast.errors import ConfigError
+
+            raise ConfigError(
+                '`strategy.final_model` = "best" needs a validation score: call job.validate_with(fn), fn(model) -> '
+                'a number, higher is better (fast train scores on 1,000 training samples), or choose "average"'
+            )
+        return float(self.ctx.score(model))
+
     # -- the reported model -----------------------------------------------------------------------------------
     def flat_parameters(self, model: nn.Module | None = None) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in (model or self.model).parameters()])
@@ -191,11 +222,8 @@ class Strategy:
         chosen = copy.deepcopy(self.model)
         if choice.startswith("worker:"):
             src = self.comm.ranks[int(choice[7:]) % self.comm.size]
-        else:  # "best": the replica with the highest accuracy on the validation split
-            from fast.evaluate import accuracy
-
-            x, y = self.ctx.validation
-            scores = self.comm.all_gather(torch.tensor([accuracy(self.model, x, y, self.ctx.device)]))
+        else:  # "best": the replica with the highest validation score
+            scores = self.comm.all_gather(torch.tensor([self.score(self.model)]))
             src = self.comm.ranks[int(torch.stack(scores).argmax())]
         with self.comm.unmetered():
             for tensor in chosen.state_dict().values():

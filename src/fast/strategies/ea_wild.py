@@ -53,7 +53,7 @@ from torch import nn
 from fast.comm import Comm
 from fast.config import Config
 from fast.errors import CommError, ConfigError
-from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.base import ModelLayout, Strategy, StrategyOptions
 from fast.strategies.easgd import CenterState
 from fast.strategies.snapshots import Snapshots
 
@@ -111,7 +111,7 @@ class EAWild(Strategy):
             )
 
     # -- shared by workers and the master: the same groups, created in the same order ---------------------------
-    def _groups(self, model: nn.Module) -> None:
+    def _groups(self, center: torch.Tensor) -> None:
         workers, size = self.ctx.workers, self.options.group_size
         self.master = workers
         self.leaders = list(range(0, workers, size))
@@ -124,12 +124,12 @@ class EAWild(Strategy):
             link = self.world.subgroups([[leader, self.master]])
             if link is not None:
                 self.links[leader] = link
-        self.center = flatten(model)
+        self.center = center
 
     # -- worker side ------------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
-        self._groups(model)
+        self._groups(flatten(model))
         self.leader = self.ctx.rank - self.ctx.rank % self.options.group_size
         # a member whose gradient was not finite still steps with the group's average, to stay identical
         self.averages_gradients = self.group is not None
@@ -228,8 +228,8 @@ class EAWild(Strategy):
         return model
 
     # -- master side ------------------------------------------------------------------------------------------
-    def setup_server(self, model: nn.Module) -> None:
-        self._groups(model)
+    def setup_server(self, layout: ModelLayout) -> None:
+        self._groups(torch.zeros(layout.state))
         with self.world.unmetered():
             self.links[0].recv(self.center, 0, tag=TAG)
         self.live = CenterState(self.center, len(self.leaders))  # a resumed master loads its snapshot into it
@@ -238,7 +238,7 @@ class EAWild(Strategy):
         self.finished: set[int] = set()  # the groups (indices) that said DONE
         self.failure_lock = threading.Lock()  # handler threads may record deaths at the same time
 
-    def serve(self, model: nn.Module) -> None:
+    def serve(self) -> None:
         """One handler thread per group, all updating `self.center` in place without a lock."""
         errors: list[BaseException] = []
         threads = [
@@ -258,7 +258,6 @@ class EAWild(Strategy):
                     self.links[leader].send(self.center, leader, tag=FINAL_TAG)
                 except CommError as e:
                     self._lost_group(i, leader, f"did not take the final center: {e}")
-        load_flat(model, self.center)
 
     def _lost_group(self, index: int, leader: int, how: str) -> None:
         """Forget a group whose leader is gone; the step given is the steps it had done at its last exchange. It

@@ -56,7 +56,7 @@ from torch import nn
 
 from fast.config import Config
 from fast.errors import CommError, ConfigError
-from fast.strategies.base import Strategy, StrategyContext, StrategyOptions
+from fast.strategies.base import ModelLayout, Strategy, StrategyContext, StrategyOptions
 from fast.strategies.flat import FlatState
 from fast.strategies.messages import Channel, Listener, PeerDeaths
 from fast.strategies.snapshots import Snapshots
@@ -141,6 +141,7 @@ class EASGD(Strategy):
         self.alpha = moving_rate(options, ctx.config)
         self.is_async = options.variant == "async"
         self.survives_failures = self.is_async
+        self.stops_alone = self.is_async  # async workers never wait for each other
         self.master = ctx.workers  # the master's global rank (async only)
         self.exchanges = 0
         self.step = 0
@@ -255,9 +256,9 @@ class EASGD(Strategy):
         return {"final_model": reported, "moving_rate": self.alpha, "elastic_exchanges": self.exchanges}
 
     # -- the master (async) --------------------------------------------------------------------------------
-    def setup_server(self, model: nn.Module) -> None:
+    def setup_server(self, layout: ModelLayout) -> None:
         self.channel = Channel(self.world)
-        self.center = FlatState.of_model(model).read().cpu()
+        self.center = torch.zeros(layout.state)
         with self.channel.unmetered():  # set-up traffic, as on worker 0's side
             self.channel.recv(self.center, 0, INIT_TAG)
         self.live = CenterState(self.center, self.ctx.workers)  # a resumed master loads its snapshot into it
@@ -265,7 +266,7 @@ class EASGD(Strategy):
         self.snapshots = Snapshots(self.live, self.ctx.workers)
         self.deaths = PeerDeaths(self)
 
-    def serve(self, model: nn.Module) -> None:
+    def serve(self) -> None:
         """Serve elastic exchanges one worker at a time (in a listener thread) until every live worker is
         done, then send each the center."""
         workers = range(self.ctx.workers)

@@ -58,7 +58,8 @@ class Bucket:
         self.ready = 0
         self.handle: Handle | PendingSum | None = None
 
-    def fill(self) -> None:
+    def fill(self, contributing: bool = True) -> bool:
+        """Put this worker's gradients in the buffer; False (and zeros, counted 0) when they are not finite."""
         for p, view in zip(self.params, self.views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -66,9 +67,10 @@ class Bucket:
                 view.copy_(p.grad)
         # min and max are NaN or infinite exactly when some element is; far cheaper than isfinite().all()
         finite = bool(torch.isfinite(torch.stack(torch.aminmax(self.grads))).all())
-        if not finite:
+        if not finite or not contributing:
             self.buffer.zero_()
-        self.count.fill_(1.0 if finite else 0.0)
+        self.count.fill_(1.0 if finite and contributing else 0.0)
+        return finite
 
     def average(self) -> None:
         count = float(self.count)
@@ -128,6 +130,7 @@ class Sync(Strategy):
     Options = SyncOptions
     decentralised = False
     averages_gradients = True
+    checks_gradients = True  # each bucket, as it leaves
     codecs = CODECS
 
     @classmethod
@@ -170,6 +173,8 @@ class Sync(Strategy):
             if correct or (correct is None and codec.name != "powersgd"):
                 self.momentum = MomentumCorrection(optimizer)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.order: list[int] = []  # buckets (indices) in the order this step launched them
+        self.launched: dict[int, int] = {}  # bucket index -> its place in the last step's order
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
 
@@ -187,17 +192,17 @@ class Sync(Strategy):
         return buckets
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
+        if self.accumulating:
+            return
         bucket = self.bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
-    def before_step(self, step: int) -> None:
-        if self.compressed is not None:
-            self.compressed.set_epoch(step // self.ctx.steps_per_epoch)
-
     def _launch(self, bucket: Bucket) -> None:
-        bucket.fill()
+        self.order.append(self.buckets.index(bucket))
+        if not bucket.fill(self.contributing):
+            self.gradients_were_bad = True
         if self.compressed is not None:  # the count of contributing workers travels alongside, uncompressed
             if self.momentum is not None and float(bucket.count) > 0:
                 self.momentum.apply(bucket.params, bucket.views)
@@ -208,10 +213,20 @@ class Sync(Strategy):
         first_hop = self.group or self.comm
         bucket.handle = first_hop.all_reduce(bucket.buffer, async_op=True)
 
+    def before_step(self, step: int) -> None:
+        self.gradients_were_bad = False
+        if self.compressed is not None:
+            self.compressed.set_epoch(step // self.ctx.steps_per_epoch)
+
     def after_backward(self, step: int) -> None:
+        # buckets no gradient launched (a parameter without one; a step without data) go in the order the last
+        # step launched them, which every worker's collectives must follow
+        for index in sorted(range(len(self.buckets)), key=lambda i: self.launched.get(i, i)):
+            if self.buckets[index].handle is None:
+                self._launch(self.buckets[index])
+        self.launched = {index: n for n, index in enumerate(self.order)}
+        self.order = []
         for bucket in self.buckets:
-            if bucket.handle is None:  # some parameter got no gradient this step
-                self._launch(bucket)
             bucket.handle.wait()
             if self.group is not None:
                 if self.leaders is not None:

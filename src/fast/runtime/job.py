@@ -1,0 +1,617 @@
+"""`fast.init` and the `Job` it returns: the handle through which a training loop becomes a FAST run.
+
+    job = fast.init("job.toml", strategy__name="gossip")      # joins the run (servers serve and exit here)
+    model, optimizer = job.prepare(model, optimizer)          # the user's own objects, with the strategy hooked in
+    loader = job.loader(train_set, batch_size=64)              # this worker's shard
+    for epoch in job.epochs(3):
+        for x, y in loader:
+            loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+            job.log(loss=loss)
+        job.evaluate(eval_fn)                                  # eval_fn(model) -> {"accuracy": ...}
+    summary = job.finish()                                     # outputs written; the summary on worker 0
+
+Started by `fast run` or torchrun, the process joins the run those launched; started alone, it is a run of one
+worker. Rank 0 writes the run folder; every process streams its own metrics to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fast import checkpoint, engine
+from fast.comm import Comm
+from fast.config import Config, load_config
+from fast.deployment import machine_for, network_for, world_size
+from fast.errors import ConfigError, FastError
+from fast.factories import add_search_path
+from fast.optim import build_schedule
+from fast.runtime import control
+from fast.runtime.clock import Clock
+from fast.runtime.control import Control
+from fast.runtime.loader import ShardedLoader
+from fast.runtime.records import Records
+from fast.runtime.steps import StepDriver
+from fast.strategies import Strategy, StrategyContext, build_strategy, strategy_class
+from fast.strategies.base import ModelLayout
+
+LAYOUT_TAG = 7_003  # worker 0 tells each server the model's layout (apart from every strategy's tags)
+_current: Job | None = None
+
+
+def current() -> Job:
+    """The job `fast.init` started in this process; FastError when there is none."""
+    if _current is None:
+        raise FastError("fast.init() has not been called in this process: start with job = fast.init(...)")
+    return _current
+
+
+def default_run_dir(config: Config) -> Path:
+    stamp = os.environ.get("TORCHELASTIC_RUN_ID") if engine.under_torchrun() else None
+    return Path("runs") / f"{config.run.name}-{stamp or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_config(config: Any = None, **overrides: Any) -> Config:
+    """The run's config: the script's (`config` and `overrides`), with what `fast run` was given on top (its
+    --config replaces the script's, its --set keys win)."""
+    if isinstance(config, Config) and not overrides and "FAST_CONFIG" not in os.environ:
+        return config
+    source = os.environ.get("FAST_CONFIG") or config
+    launcher = json.loads(os.environ.get("FAST_OVERRIDES", "{}"))
+    if isinstance(source, str | Path) and Path(source).is_file():
+        add_search_path(str(Path(source).resolve().parent))
+    return load_config(source, **{**overrides, **{k.replace(".", "__"): v for k, v in launcher.items()}})
+
+
+def _process_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # only the name in ps and top is lost
+        pass
+
+
+def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
+    """A FastError that ends a script is one line and its exit code, as on the command line."""
+    if isinstance(error, FastError):
+        print(f"fast: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    sys.__excepthook__(kind, error, tb)
+
+
+def init(
+    config: Any = None, *, out: str | Path | None = None, resume: str | Path | bool | None = None, **overrides: Any
+) -> Job:
+    """Join the run and return its Job. `config`: a TOML path, a dict, a Config or None (the defaults), with
+    dotted overrides (`strategy__name="gossip"`). `out` is the run folder; `resume` (a run folder, or True for
+    `out`) continues it from its last checkpoint. A server process (async-ps, async easgd, ea-wild) serves here
+    until the workers are done, then exits: it never returns."""
+    global _current
+    if _current is not None and not _current.finished:
+        raise FastError("fast.init() was already called in this process: use the job it returned")
+    if not engine.under_torchrun():
+        sys.excepthook = _one_line_errors
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:  # restarted by the agent
+        resume = True
+    if resume is True:
+        out = out or os.environ.get("FAST_RUN_DIR")
+        if out is None:
+            raise ConfigError("fast.init(resume=True) needs the run folder: give out=... or resume=FOLDER")
+    resume_dir = os.environ.get("FAST_RESUME") or (str(out) if resume is True else resume)
+    if resume_dir and config is None and not os.environ.get("FAST_CONFIG"):
+        config = Path(resume_dir) / "config.toml"
+        if not config.is_file():
+            raise ConfigError(f"resume {resume_dir}: no config.toml there; give the folder of an earlier run")
+    config = resolve_config(config, **overrides)
+    alone = not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
+    if alone:
+        config = _alone(config)
+    run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or default_run_dir(config))
+    job = Job(config, run_dir, resume=bool(resume_dir), alone=alone)
+    _current = job
+    if job.is_server:
+        job._serve()  # never returns
+    return job
+
+
+def _alone(config: Config) -> Config:
+    """Started without a launcher: a run of one worker (with a note when the config asked for more)."""
+    if world_size(config) > config.run.workers:
+        raise ConfigError(
+            f"strategy {config.strategy.name!r} needs server processes: start the script with "
+            f"`fast run --workers {config.run.workers} SCRIPT` (or torchrun)"
+        )
+    if config.run.workers > 1:
+        print(
+            f"fast: not started by `fast run` or torchrun: training as 1 worker (for {config.run.workers}: "
+            f"fast run --workers {config.run.workers} SCRIPT)",
+            file=sys.stderr,
+        )
+        config = load_config(config.to_dict(), run__workers=1)
+    store = Path(tempfile.mkdtemp(prefix="fast-alone-")) / "store"
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    os.environ["FAST_STORE_FILE"] = str(store)
+    return config
+
+
+def prepare_run_dir(config: Config, run_dir: Path, resume: bool) -> None:
+    """The run folder with config.toml; a fresh run in a used folder starts clean (rank 0, before the others)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
+            stale.unlink(missing_ok=True)
+    (run_dir / "config.toml").write_text(config.to_toml())
+
+
+class Job:
+    """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
+
+    def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
+        self.config, self.run_dir, self.resuming, self.alone = config, run_dir, resume, alone
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        run = config.run
+        self.workers = run.workers
+        expected = world_size(config)
+        if self.world_size != expected:
+            raise ConfigError(
+                f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
+                "strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes (torchrun) to match"
+            )
+        self.is_server = self.rank >= self.workers
+        self.is_worker = not self.is_server
+        self.is_main = self.rank == 0
+        self.finished = False
+        strategy_name = config.strategy.name
+        role = f"server {self.rank - self.workers + 1}/{self.world_size - self.workers}" if self.is_server else (
+            f"worker {self.rank}/{self.workers}")  # fmt: skip
+        _process_title(f"fast {role} {strategy_name} ({run.name})")
+        threads = run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size)
+        torch.set_num_threads(threads)
+        if self.is_main:
+            prepare_run_dir(config, run_dir, resume)
+        self.device = engine.device_for(run.device)
+        self.world: Comm = engine.start(
+            self.rank,
+            self.world_size,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            self.device,
+            run.deadline_s,
+            network_for(config, self.world_size, self.rank),
+        )
+        partition = [list(range(self.workers))]
+        if self.world_size > self.workers:  # workers and servers each get a group of their own
+            partition.append(list(range(self.workers, self.world_size)))
+        self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
+        self.strategy_class = strategy_class(strategy_name)
+        self.records = Records(run_dir, self.rank, run.tensorboard)
+        self.machine = machine_for(config, self.rank, self.records.file)  # emulated slowdown, stragglers, crash
+        self.context = StrategyContext(
+            comm=self.comm,
+            world=self.world,
+            config=config,
+            device=self.device,
+            workers=self.workers,
+            rank=self.rank,
+            generator=torch.Generator().manual_seed(run.seed * 7919 + self.rank),
+            steps_per_epoch=1,
+            save_checkpoint=self._save_server_checkpoint if self.is_server else None,
+        )
+        self.strategy: Strategy = build_strategy(config, self.context)
+        point_to_point = self.strategy.survives_failures
+        self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
+        self.driver = StepDriver(
+            self.strategy,
+            self.machine,
+            self._step_done,
+            clip_norm=config.optimizer.clip_norm,
+            autocast=self._autocast_factory(),
+        )
+        self.driver.on_begin = self._step_begins
+        self._schedule_state: dict[str, Any] | None = None
+        self._checkpoint_due = False
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.schedule: Any = None
+        self.clock = Clock()
+        self.trained_s = 0.0
+        self.steps_per_epoch: int | None = None
+        self.batch_size = run.batch_size
+        self.planned_epochs: float | None = None
+        self.total_steps: int | None = run.max_steps
+        self.loaders: list[ShardedLoader] = []
+        self.loader_position: tuple[int, int] | None = None
+        self.skipped_steps, self.bad_in_a_row = 0, 0
+        self._stopping = False
+        self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
+        self._checked_at = -1
+        self._losses: list[torch.Tensor] = []
+        self._values: dict[str, list[float]] = {}
+        self._recorded_at = -1
+        self._eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
+        self._checked_targets = False
+
+    # -- who -------------------------------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps this worker has done."""
+        return self.driver.step
+
+    @property
+    def epoch(self) -> float:
+        return self.step / self.steps_per_epoch if self.steps_per_epoch else 0.0
+
+    @property
+    def stopped(self) -> bool:
+        """Training is over: the planned steps are done, or run.max_steps, or run.max_time (agreed)."""
+        return self._stopping or (self.total_steps is not None and self.step >= self.total_steps)
+
+    should_stop = stopped
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the workers move in step (every worker's collectives need every other worker)."""
+        return not self.strategy.stops_alone
+
+    # -- the model and optimizer ----------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Hook the strategy into the user's model and optimizer (which are returned, the same objects): every
+        replica starts from worker 0's weights, and a resumed run from its checkpoint. Collective."""
+        if self.model is not None:
+            raise FastError("job.prepare() was already called: a job trains one model with one optimizer")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"job.prepare: the model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            kind = type(optimizer).__name__
+            raise ConfigError(f"job.prepare: the optimizer must be a torch.optim.Optimizer, got {kind}")
+        model.to(self.device)
+        self.model, self.optimizer = model, optimizer
+        if self.world_size > self.workers and self.is_main:
+            layout = ModelLayout.of(model)
+            with self.world.unmetered():
+                for server in range(self.workers, self.world_size):
+                    self.world.send(torch.tensor([layout.parameters, layout.state]), server, tag=LAYOUT_TAG)
+        self.strategy.setup(model, optimizer)
+        self.driver.attach(model, optimizer)
+        offset = self._restore() if self.resuming else 0.0
+        self.world.barrier()  # the common start, servers included
+        self.machine.start(self.world)
+        self.clock = Clock(offset)
+        self.trained_s = offset
+        return model, optimizer
+
+    def validate_with(self, score: Callable[[nn.Module], float]) -> None:
+        """The score of a replica for `final_model = "best"` (higher is better), e.g. validation accuracy."""
+        self.context.score = score
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside only accumulate gradients (gradient accumulation); the strategy communicates at
+        the first backward outside."""
+        return self.driver.no_sync()
+
+    def _autocast_factory(self) -> Callable[[], Any] | None:
+        if self.config.run.precision != "bf16":
+            return None
+        return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's precision for code outside the model's forward (the loss, say): bf16 autocast or nothing."""
+        factory = self._autocast_factory()
+        return factory() if factory is not None else contextlib.nullcontext()
+
+    # -- data -------------------------------------------------------------------------------------------------------
+    def loader(self, dataset: Any, batch_size: int | None = None, *, shuffle: bool = True, **options: Any) -> Any:
+        """This worker's shard of `dataset` (any map-style Dataset, or an IterableDataset), batch by batch on
+        the job's device; each pass is the next epoch. Options: labels= (dirichlet), num_workers=, collate_fn=."""
+        return ShardedLoader(self, dataset, batch_size or self.config.run.batch_size, shuffle=shuffle, **options)
+
+    def _loader_created(self, loader: ShardedLoader) -> None:
+        if loader.steps_per_epoch and self.steps_per_epoch is None:
+            self.steps_per_epoch = max(1, loader.steps_per_epoch // self.config.run.accumulate)
+            self.context.steps_per_epoch = self.steps_per_epoch
+            self.batch_size = loader.batch_size * self.config.run.accumulate
+            if self.planned_epochs is not None:
+                self._plan(self.planned_epochs)
+        self.loaders.append(loader)
+
+    def epochs(self, count: float | None = None) -> Iterator[int]:
+        """The epochs to run, from where a resumed run stopped: `count` (default run.epochs; may be fractional,
+        the last one cut short) unless run.max_steps or run.max_time ends training first."""
+        count = self.config.run.epochs if count is None else count
+        self._plan(count)
+        first = self.step // self.steps_per_epoch if self.steps_per_epoch else 0
+        for epoch in range(first, math.ceil(count)):
+            if self.stopped:
+                return
+            yield epoch
+
+    def _plan(self, epochs: float) -> None:
+        self.planned_epochs = epochs
+        if self.steps_per_epoch is None:
+            return
+        total = math.ceil(epochs * self.steps_per_epoch)
+        self.total_steps = min(total, self.config.run.max_steps or total)
+        self.records.show_progress(self.config.run.name, self.total_steps, self.steps_per_epoch,
+                                   self.batch_size * self.workers)  # fmt: skip
+
+    def _all_have(self, has_batch: bool) -> bool:
+        """Whether every worker has a next batch of its stream (workers in step only; the others go on alone)."""
+        if not self.lockstep:
+            return has_batch
+        answer = self.control.round(control.BATCH, self.step, [int(has_batch)], self.strategy.dead, self._lost)
+        if not answer.all(0):
+            self._stopping, self._ended_at = True, self.step  # one stream is dry: every worker ends here
+        return answer.all(0)
+
+    # -- each step --------------------------------------------------------------------------------------------------
+    def _step_begins(self) -> None:
+        """Before each step's forward: the checkpoint the last step asked for, and (first step) the schedule, now
+        that the run's length may be known."""
+        self._flush_checkpoint()
+        if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
+            self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
+            if self._schedule_state:
+                self.schedule.load_state_dict(self._schedule_state)
+
+    def _step_done(self, bad: bool) -> None:
+        """After each optimizer step: bad-step accounting, the schedule, time, stopping, checkpoints."""
+        if bad:
+            self._bad_step()
+        else:
+            self.bad_in_a_row = 0
+        if self.schedule is not None:
+            self.schedule.step()
+        done = self.step
+        self.trained_s = self.clock.now()
+        if self.lockstep and (done % self.config.run.log_every == 0 or done == self.total_steps):
+            self._agree(done=self.stopped)
+        elif self.strategy.stops_alone and self.config.run.max_time_s is not None:
+            self._stopping = self._stopping or self.trained_s >= self.config.run.max_time_s
+        checkpoints = self.config.run.checkpoint_every
+        # written once the step is logged (job.log), or before the next step: so that it holds the step's record
+        self._checkpoint_due = bool(checkpoints and done % checkpoints == 0 and not self.stopped)
+
+    def _agree(self, done: bool) -> None:
+        """The workers' check every log_every steps and at the planned last step: has the time run out, will every
+        worker stop here (`done`: this one will)? Either way the workers end here, together (`_ended_at`)."""
+        self._checked_at = self.step
+        limit = self.config.run.max_time_s
+        out_of_time = limit is not None and self.trained_s >= limit
+        answer = self.control.round(control.STOP, self.step, [int(out_of_time), int(done)], self.strategy.dead,
+                                    self._lost)  # fmt: skip
+        if answer.any(0):
+            self._stopping = True
+        if answer.any(0) or answer.all(1):
+            self._ended_at = self.step
+
+    def _lost(self, rank: int, how: str) -> None:
+        self.strategy.lost(rank, self.step, how)
+
+    def _bad_step(self) -> None:
+        self.skipped_steps += 1
+        self.bad_in_a_row += 1
+        limit = self.config.run.max_bad_steps
+        if self.bad_in_a_row >= limit:
+            raise FastError(
+                f"worker {self.rank}: NaN or Inf in the loss or gradients for {limit} steps in a row "
+                f"(run.max_bad_steps); lower optimizer.lr or check the data and the step function"
+            )
+
+    # -- metrics -----------------------------------------------------------------------------------------------------
+    def log(self, loss: Any = None, **values: Any) -> None:
+        """Record the step's loss (and any other numbers); a record is written every run.log_every steps."""
+        if loss is not None:
+            self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        for key, value in values.items():
+            self._values.setdefault(key, []).append(float(value))
+        if self.step % self.config.run.log_every == 0 and self.step != self._recorded_at and self.step > 0:
+            self._record()
+        self._flush_checkpoint()
+
+    def _flush_checkpoint(self) -> None:
+        if self._checkpoint_due:
+            self._checkpoint_due = False
+            self._checkpoint()
+
+    def _record(self, kind: str | None = None, **extra: Any) -> None:
+        """A metric record: the training losses logged since the last one, or (kind="eval") an evaluation's."""
+        step = self.step
+        record: dict[str, Any] = {
+            "worker": self.rank,
+            "step": step,
+            "epoch": round(self.epoch, 4),
+            "time_s": round(self.clock.now(), 4),
+            "samples": step * self.batch_size,
+            "bytes_sent": self.world.counter.bytes_sent,
+            "bytes_received": self.world.counter.bytes_received,
+        }
+        if self.optimizer is not None:
+            record["lr"] = self.optimizer.param_groups[0]["lr"]
+        if kind is None:
+            losses = [loss.float().reshape(()) for loss in self._losses]
+            finite = [loss for loss in losses if torch.isfinite(loss)]
+            if finite:
+                record["loss"] = float(torch.stack(finite).mean())
+            record.update({k: sum(v) / len(v) for k, v in self._values.items() if v})
+            self._losses, self._values = [], {}
+            self._recorded_at = step
+        else:
+            record["kind"] = kind
+        record.update(extra)
+        self.records.add(record)
+
+    # -- evaluation ---------------------------------------------------------------------------------------------------
+    def evaluate(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, float]:
+        """Named metrics of the run's reported model (`final_model`), computed by `eval_fn(model)` on worker 0 and
+        recorded; returned on worker 0, and on every worker when the strategy evaluates collectively (under
+        the asynchronous strategies the others go on at once and get {})."""
+        from fast.runtime.evaluation import evaluate
+
+        fn = eval_fn or self._eval_fn
+        if fn is None:
+            raise ConfigError("job.evaluate() needs an eval function the first time: job.evaluate(fn), fn(model) -> {}")
+        self._eval_fn = fn
+        return evaluate(self, fn, final=False)
+
+    def model_for_eval(self) -> nn.Module:
+        """The model the run reports now (collective for strategies whose replicas differ)."""
+        return self.strategy.eval_model()
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        """This worker's state after this step in `checkpoints/worker<rank>-step<step>.pt`."""
+        position = self._position()
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "schedule": self.schedule.state_dict() if self.schedule is not None else {},
+            "loader": torch.tensor(position if position is not None else (-1, -1)),
+            "time_s": self.clock.now(),
+            "counter": self.world.counter.snapshot(),
+            "skipped_steps": self.skipped_steps,
+            "rng": torch.get_rng_state(),
+            **self.records.state(),
+        }
+        checkpoint.save(state, self.run_dir, self.rank, self.step)
+
+    def _position(self) -> tuple[int, int] | None:
+        """Where the first loader is: (epoch, batches of it done)."""
+        if not self.loaders or self.loaders[0].epoch is None:
+            return None
+        loader = self.loaders[0]
+        return loader.epoch, loader.taken
+
+    def _save_server_checkpoint(self, strategy_state: dict[str, Any]) -> None:
+        state = {"strategy": strategy_state, "counter": self.world.counter.snapshot()}
+        checkpoint.save(state, self.run_dir, self.rank, int(strategy_state["step"]), server=True)
+
+    def _restore(self) -> float:
+        """Collective over the world: agree on the step to resume from (fast.checkpoint), load this process's
+        checkpoint of it, delete its later ones. Returns the training time to resume the clock at."""
+        server = self.is_server
+        takes_part = not server or self.strategy.server_checkpoints
+        mine = checkpoint.saved_steps(self.run_dir, self.rank, server=server)
+        everyone = checkpoint.gather_steps(self.world, mine if takes_part else None)
+        if not takes_part:
+            return 0.0
+        step = checkpoint.newest_common_step(everyone)
+        if step is None and any(everyone):  # checkpoints, but no step every process holds
+            alone = self.strategy.stops_alone  # workers at their own pace may be more than one interval apart
+            if self.is_main:
+                how = "each resumes from its own newest" if alone else "every process starts from the beginning"
+                self.context.log(f"fast: no checkpoint step is common to every process: {how}")
+            step = (mine[-1] if mine else None) if alone else 0
+        if step is None:
+            return 0.0
+        checkpoint.discard_after(self.run_dir, self.rank, step, server=server)
+        if step not in mine:
+            return 0.0
+        state = checkpoint.load(checkpoint.checkpoint_path(self.run_dir, self.rank, step, server=server))
+        self._restore_counter(state["counter"])
+        if server:
+            self.strategy.load_state_dict(state["strategy"])
+            return 0.0
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_state_dict(state["strategy"])
+        self._schedule_state = state.get("schedule") or None
+        torch.set_rng_state(state["rng"])
+        self.driver.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        position = state.get("loader")
+        if position is not None and int(position[0]) >= 0:
+            self.loader_position = (int(position[0]), int(position[1]))
+        self.records.restore(state)
+        self._recorded_at = self.step
+        return float(state["time_s"])
+
+    def _restore_counter(self, snapshot: dict[str, Any]) -> None:
+        counter = self.world.counter
+        counter.sent.update({int(k): v for k, v in snapshot["sent_per_peer"].items()})
+        counter.received.update({int(k): v for k, v in snapshot["received_per_peer"].items()})
+        counter.sent_uncompressed = snapshot["bytes_sent_uncompressed"]
+
+    # -- servers ------------------------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """A server process: its strategy's loop until the workers are done, its part of the end, then exit."""
+        from fast.runtime.ending import finish_server
+
+        layout = torch.zeros(2, dtype=torch.int64)
+        with self.world.unmetered():
+            self.world.recv(layout, 0, tag=LAYOUT_TAG)  # when worker 0 prepares its model
+        self.strategy.setup_server(ModelLayout(int(layout[0]), int(layout[1])))
+        if self.resuming:
+            self._restore()
+        self.world.barrier()
+        self.machine.start(self.world)
+        self.clock = Clock()
+        self.strategy.serve()
+        finish_server(self)
+        self._close()
+        raise SystemExit(0)
+
+    # -- the end ------------------------------------------------------------------------------------------------------
+    def finish(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
+        """End the run: wait for (or join) the other workers, the strategy's last exchanges, the final model by
+        `final_model`, its evaluation (with `eval_fn`, else the last one job.evaluate had), and the outputs:
+        metrics.jsonl, model.pt, summary.json. Returns the summary on worker 0, None on the others."""
+        from fast.runtime.ending import finish_worker
+
+        if self.finished:
+            raise FastError("job.finish() was already called")
+        if self.model is None:
+            raise FastError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
+        self._eval_fn = eval_fn or self._eval_fn
+        try:
+            summary = finish_worker(self)
+        finally:
+            self._close()
+        return summary
+
+    def _join(self) -> None:
+        """Workers in step end together: one that has run out of steps while the others go on takes part in their
+        exchanges with no data (as DDP's Join) until the periodic check finds every worker done."""
+        every = self.config.run.log_every
+        joined_at = self.step
+        if self.stopped and self._checked_at != self.step:  # the plan ended here for all (a run resumed at its end)
+            self._agree(done=True)
+        while self._ended_at != self.step:
+            if self.step % every == 0 and self._checked_at != self.step:
+                self._agree(done=True)
+                continue
+            self.driver.null_step()
+        if self.step > joined_at:
+            self.context.log(
+                f"fast: worker {self.rank} ran out of steps at step {joined_at} while others went on: it took part in "
+                f"their exchanges without data until step {self.step}, where they all ended"
+            )
+
+    def _close(self) -> None:
+        global _current
+        self.finished = True
+        self.driver.detach()
+        self.records.close()
+        engine.stop()
+        if _current is self:
+            _current = None
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        if error is None and not self.finished and self.model is not None:
+            self.finish()
