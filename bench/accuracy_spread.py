@@ -55,7 +55,7 @@ def main() -> int:
     for record in map(json.loads, log.read_text().splitlines()):
         if record["accuracy"] is not None:
             runs[(record["test"], record["call"])].append(record["accuracy"])
-    print(f"\n| test (run) | n | min | mean | sd | max | bar at most |\n|---|---|---|---|---|---|---|")
+    print("\n| test (run) | n | min | mean | sd | max | bar at most |\n|---|---|---|---|---|---|---|")
     for (test, call), values in sorted(runs.items()):
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         bar = math.floor((min(values) - max(MARGIN, 2 * sd)) * 100) / 100

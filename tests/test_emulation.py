@@ -298,7 +298,7 @@ def test_machine_plan_comes_from_compute_and_faults():
 
 
 def _tiny_run(tmp_path, **overrides):
-    from fast.run import train
+    from fast.start import train
 
     return train(
         None,

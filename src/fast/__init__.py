@@ -13,9 +13,25 @@ FAST's own loop: `fast.train(config)`; several variants and a report: `fast.comp
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
+_excepthook = sys.excepthook
+
+
+def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
+    """A FAST error that ends a script is one line and its exit code, as on the command line; anything else
+    goes to the hook there was before."""
+    from fast.errors import FastError
+
+    if isinstance(error, FastError):
+        print(f"fast: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    _excepthook(kind, error, tb)
+
+
+sys.excepthook = _one_line_errors
 
 
 def init(config: Any = None, *, out: Any = None, resume: Any = None, **overrides: Any) -> Any:
@@ -72,7 +88,7 @@ def train(
     model and the cross-entropy step; both must be importable top-level functions (workers are processes).
     Overrides use `__` for dots: `fast.train("job.toml", run__workers=2, strategy__name="sync")`.
     """
-    from fast.run import train as _train
+    from fast.start import train as _train
 
     return _train(config, out=out, model_fn=model_fn, step_fn=step_fn, resume=resume, **overrides)
 
@@ -80,15 +96,15 @@ def train(
 def run(script: str, *args: str, workers: int | None = None, config: str | None = None, out: Any = None,
         **overrides: Any) -> dict[str, Any] | None:  # fmt: skip
     """`fast run`: your script (which calls fast.init) on `workers` local processes; returns the summary."""
-    from fast.run import run_script
+    from fast.start import run_script
 
     return run_script(script, list(args), workers=workers, config=config, out=out, **overrides)
 
 
 def compare(config: Any, out: str | None = None, **overrides: Any) -> Any:
     """Run every `[[variant]]` of a config (TOML path or dict) into `out`/<variant> and write report.html there;
-    returns a `fast.compare.Comparison` (the report's path and how each variant ended). Overrides as in `train`."""
-    from fast.compare import compare as _compare
+    returns a `fast.comparison.Comparison` (the report's path and how each variant ended). Overrides as in `train`."""
+    from fast.comparison import compare as _compare
 
     return _compare(config, out, **overrides)
 

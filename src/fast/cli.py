@@ -21,7 +21,7 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fast.run import train
+    from fast.start import train
     from fast.summary_text import print_summary
 
     summary = train(args.config, out=args.out, resume=args.resume, **_overrides(args.set))
@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fast.run import run_script
+    from fast.start import run_script
     from fast.summary_text import print_summary
 
     summary = run_script(
@@ -56,13 +56,13 @@ def cmd_topology(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from fast.compare import compare
+    from fast.comparison import compare
 
     return 1 if compare(args.config, out=args.out, **_overrides(args.set)).failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fast.compare import rebuild_report
+    from fast.comparison import rebuild_report
 
     rebuild_report(args.dir)
     return 0

@@ -13,6 +13,12 @@ class ConfigError(FastError):
     exit_code = 2
 
 
+class UsageError(FastError):
+    """The job API was used out of order or with the wrong kind of argument (exit code 2)."""
+
+    exit_code = 2
+
+
 class DataError(FastError):
     """A data set is not installed or cannot be read."""
 

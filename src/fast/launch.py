@@ -59,8 +59,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def name_process(title: str) -> None:
+    """The process's name in ps and top. (setproctitle must first run before os.environ is replaced: it moves the
+    environment out of the way of the longer name then.)"""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # only the name in ps and top is lost
+        pass
+
+
 def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, results: Any) -> None:
     _die_with_parent()
+    name_process(f"fast worker {rank}")
     os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
@@ -201,6 +213,7 @@ AGENT_VARIABLES = (
 @record
 def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[str, str]) -> bytes:
     _die_with_parent()
+    name_process("fast worker")
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
     os.environ.clear()  # the launcher's environment, not the fork server's, plus what the agent set
     os.environ.update({**env, **agent, "OMP_NUM_THREADS": str(threads)})

@@ -11,8 +11,9 @@ from typing import Any
 from fast.errors import ConfigError
 from fast.report.plots import ReportFigure, Variant, report_figures, variants
 from fast.report.runs import Run, distinct_labels, load_run
-from fast.report.series import recorded_targets
+from fast.report.series import as_target, ordered, recorded_targets
 from fast.report.table import MISSING, Column, summary_rows, table_columns, write_summary_csv
+from fast.targets import Target, parse_target
 
 SUMMARY_CSV = "summary.csv"
 DEPLOYMENT_SECTIONS = ("network", "compute", "faults")
@@ -60,7 +61,7 @@ def build_report(
     *,
     title: str = "FAST comparison",
     deployment: dict | None = None,
-    targets: list[float] | None = None,
+    targets: list[float | Target] | None = None,
 ) -> Path:
     """Write `out_html` (and summary.csv beside it) comparing the runs in `run_dirs`; return the HTML path.
 
@@ -70,7 +71,7 @@ def build_report(
     if not run_dirs:
         raise ConfigError("no run folders given: pass at least one folder written by `fast train`")
     runs = [load_run(Path(d)) for d in run_dirs]
-    targets = sorted(targets) if targets is not None else _default_targets(runs)
+    targets = ordered([as_target(t) for t in targets]) if targets is not None else _default_targets(runs)
     rows = summary_rows(runs, targets)
     all_variants = variants(runs, distinct_labels(runs))
     out_html = Path(out_html)
@@ -89,12 +90,23 @@ def build_report(
     return out_html
 
 
-def _default_targets(runs: list[Run]) -> list[float]:
+def _default_targets(runs: list[Run]) -> list[Target]:
     recorded = recorded_targets(runs)
     if recorded:
         return recorded
-    configured = runs[0].config.get("run", {}).get("targets") or []
-    return sorted(float(t) for t in configured if isinstance(t, int | float))
+    return configured_targets(runs[:1])
+
+
+def configured_targets(runs: list[Run]) -> list[Target]:
+    """The targets the runs' configs ask for (unreadable ones skipped)."""
+    found = []
+    for run in runs:
+        for spec in (run.config.get("run") or {}).get("targets") or []:
+            try:
+                found.append(parse_target(spec))
+            except ConfigError:
+                continue
+    return ordered(found)
 
 
 def _page(title: str, *sections: str) -> str:

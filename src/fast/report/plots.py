@@ -15,6 +15,7 @@ from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from fast.report import series
 from fast.report.runs import Run
+from fast.targets import Target
 
 FIGURE_SIZE_IN = (8.0, 3.4)
 DPI = 130
@@ -92,9 +93,26 @@ LINE_PLOTS = [
 ]  # fmt: skip
 
 
-def report_figures(all_variants: list[Variant], targets: list[float]) -> list[ReportFigure]:
+def _metric_plots(targets: list[Target]) -> list[LinePlot]:
+    """A curve of each metric a target names, beside test accuracy (e.g. validation perplexity)."""
+    metrics = dict.fromkeys(t.metric for t in targets if t.metric not in ("accuracy", "loss"))
+    return [
+        LinePlot(
+            f"Test {m} vs wall time",
+            lambda run, m=m: series.metric_curve(run, m, "time_s"),
+            "wall time (s)",
+            f"test {m}",
+            markers=True,
+        )  # fmt: skip
+        for m in metrics
+    ]
+
+
+def report_figures(all_variants: list[Variant], targets: list[float | Target]) -> list[ReportFigure]:
     """Every figure of the report, in reading order."""
-    figures = [_line_figure(plot, all_variants) for plot in LINE_PLOTS]
+    targets = series.ordered([series.as_target(t) for t in targets])
+    plots = LINE_PLOTS[:2] + _metric_plots(targets) + LINE_PLOTS[2:]
+    figures = [_line_figure(plot, all_variants) for plot in plots]
     figures.append(_staleness_figure(all_variants))
     figures.append(_time_to_target_figure(all_variants, targets))
     return figures
@@ -148,11 +166,11 @@ def _staleness_figure(all_variants: list[Variant]) -> ReportFigure:
         return ReportFigure(title, _encode(figure, axes), _missing_note(histograms))
 
 
-def _time_to_target_figure(all_variants: list[Variant], targets: list[float]) -> ReportFigure:
-    title = "Time to target accuracy"
+def _time_to_target_figure(all_variants: list[Variant], targets: list[Target]) -> ReportFigure:
+    title = "Time to target accuracy" if all(t.metric == "accuracy" for t in targets) else "Time to target"
     times = {(v.label, t): series.time_to_target(v.run, t) for v in all_variants for t in targets}
     if not targets or all(value is None for value in times.values()):
-        return ReportFigure(title, None, "No data: no target accuracy was set or evaluated.")
+        return ReportFigure(title, None, "No data: no target was set or evaluated.")
     reached = [value for value in times.values() if isinstance(value, float | int)]
     label_height = max(reached, default=1.0) * 0.03
     with matplotlib.rc_context(STYLE):
@@ -169,7 +187,8 @@ def _time_to_target_figure(all_variants: list[Variant], targets: list[float]) ->
                 word = "not reached" if value == series.NOT_REACHED else "no data"
                 axes.bar(x, 0, width=width, color=v.colour, label=v.label if j == 0 else None)
                 axes.text(x, label_height, word, rotation=90, ha="center", va="bottom", fontsize=7.5, color=v.colour)
-        axes.set_xticks(range(len(targets)), [f"{t * 100:g}% test accuracy" for t in targets])
+        names = [f"{t.value * 100:g}% test accuracy" if t.metric == "accuracy" else t.label for t in targets]
+        axes.set_xticks(range(len(targets)), names)
         axes.set_ylabel("seconds to reach target")
         axes.grid(axis="x", visible=False)
         if not reached:

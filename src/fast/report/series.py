@@ -1,4 +1,4 @@
-"""Curves for the report from a run's metric records: accuracy, loss, bytes, divergence, staleness."""
+"""Curves for the report from a run's metric records: test metrics, loss, bytes, divergence, staleness."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import math
 from collections import defaultdict
 from typing import Any, Literal
 
+from fast.errors import ConfigError
 from fast.report.runs import Run
+from fast.targets import Target, parse_target
 
 Curve = tuple[list[float], list[float]]
 NOT_REACHED = "not reached"
@@ -23,14 +25,15 @@ def _records_with(run: Run, *keys: str) -> list[dict[str, Any]]:
     return [r for r in run.metrics if all(_number(r.get(key)) is not None for key in keys)]
 
 
-def accuracy_curve(run: Run, x_key: Literal["epoch", "time_s"]) -> Curve:
-    """Test accuracy against epochs or seconds: the k-th evaluation of every evaluating worker, averaged.
+def metric_curve(run: Run, metric: str, x_key: Literal["epoch", "time_s"]) -> Curve:
+    """A test metric against epochs or seconds: the k-th evaluation of every evaluating worker, averaged.
 
     Workers evaluate on the same schedule but not at the same instant, so evaluations are matched by their
     order rather than by time; with a single evaluating worker this is simply that worker's curve.
     """
+    key = f"test_{metric}"
     by_worker: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for record in _records_with(run, "test_accuracy", x_key):
+    for record in _records_with(run, key, x_key):
         by_worker[int(record.get("worker", 0))].append(record)
     if not by_worker:
         return [], []
@@ -40,8 +43,13 @@ def accuracy_curve(run: Run, x_key: Literal["epoch", "time_s"]) -> Curve:
     for k in range(max(len(records) for records in by_worker.values())):
         kth = [records[k] for records in by_worker.values() if k < len(records)]
         xs.append(sum(r[x_key] for r in kth) / len(kth))
-        ys.append(sum(r["test_accuracy"] for r in kth) / len(kth))
+        ys.append(sum(r[key] for r in kth) / len(kth))
     return xs, ys
+
+
+def accuracy_curve(run: Run, x_key: Literal["epoch", "time_s"]) -> Curve:
+    """Test accuracy against epochs or seconds (see `metric_curve`)."""
+    return metric_curve(run, "accuracy", x_key)
 
 
 def loss_curve(run: Run, bins: int = 60, smoothing_window: int = 3) -> Curve:
@@ -101,21 +109,41 @@ def staleness_fractions(run: Run) -> dict[int, float]:
     return {staleness: count / total for staleness, count in sorted(counts.items())} if total else {}
 
 
-def time_to_target(run: Run, target: float) -> float | str | None:
-    """Seconds until the run first reached `target` test accuracy, NOT_REACHED, or None when unknown.
+def as_target(target: float | str | Target) -> Target:
+    """A Target from a Target, a label ("error <= 0.1") or a number (test accuracy)."""
+    return target if isinstance(target, Target) else parse_target(target)
+
+
+def time_to_target(run: Run, target: float | str | Target) -> float | str | None:
+    """Seconds until the run first reached `target` (a test accuracy, or a Target), NOT_REACHED, or None when
+    unknown.
 
     The summary's own figure wins (it is measured on the run's chosen final model); for a target the run
-    was not asked about, the first evaluation on the accuracy curve that reaches it is used instead.
+    was not asked about, the first evaluation on the metric's curve that reaches it is used instead.
     """
-    recorded = run.summary.get("time_to_accuracy_s")
+    target = as_target(target)
+    recorded = run.summary.get("time_to_target_s")
     if isinstance(recorded, dict):
         for key, seconds in recorded.items():
-            if _parses_to(key, target):
+            if _same(key, target):
                 return _number(seconds) if seconds is not None else NOT_REACHED
-    times, accuracies = accuracy_curve(run, "time_s")
+    legacy = run.summary.get("time_to_accuracy_s")
+    if isinstance(legacy, dict) and target.metric == "accuracy" and target.op == ">=":
+        for key, seconds in legacy.items():
+            if _parses_to(key, target.value):
+                return _number(seconds) if seconds is not None else NOT_REACHED
+    times, values = metric_curve(run, target.metric, "time_s")
     if not times:
         return None
-    return next((t for t, accuracy in zip(times, accuracies, strict=True) if accuracy >= target), NOT_REACHED)
+    return next((t for t, value in zip(times, values, strict=True) if target.reached(value)), NOT_REACHED)
+
+
+def _same(label: str, target: Target) -> bool:
+    try:
+        theirs = parse_target(label)
+    except ConfigError:
+        return False
+    return (theirs.metric, theirs.op) == (target.metric, target.op) and math.isclose(theirs.value, target.value)
 
 
 def _parses_to(key: str, target: float) -> bool:
@@ -125,16 +153,26 @@ def _parses_to(key: str, target: float) -> bool:
         return False
 
 
-def recorded_targets(runs: list[Run]) -> list[float]:
-    """Every target accuracy that some run's summary reports a time for, ascending."""
-    targets: set[float] = set()
+def ordered(targets: list[Target]) -> list[Target]:
+    """Distinct targets, test accuracy first, then by metric and value."""
+    unique: dict[tuple[str, str, float], Target] = {}
+    for t in targets:
+        unique.setdefault((t.metric, t.op, round(t.value, 12)), t)
+    return sorted(unique.values(), key=lambda t: (t.metric != "accuracy", t.metric, t.value))
+
+
+def recorded_targets(runs: list[Run]) -> list[Target]:
+    """Every target some run's summary reports a time for."""
+    found: list[Target] = []
     for run in runs:
-        recorded = run.summary.get("time_to_accuracy_s")
-        for key in recorded if isinstance(recorded, dict) else {}:
+        for key in run.summary.get("time_to_target_s") or {}:
             try:
-                value = float(key)
+                found.append(parse_target(key))
+            except ConfigError:
+                continue
+        for key in run.summary.get("time_to_accuracy_s") or {}:
+            try:
+                found.append(Target("accuracy", ">=", float(key)))
             except ValueError:
                 continue
-            if not any(math.isclose(value, t, abs_tol=1e-9) for t in targets):
-                targets.add(value)
-    return sorted(targets)
+    return ordered(found)

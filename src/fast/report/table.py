@@ -13,24 +13,31 @@ from typing import Any
 from rich.table import Table
 
 from fast.report.runs import Run, distinct_labels
-from fast.report.series import MEGABYTE, NOT_REACHED, recorded_targets, time_to_target
+from fast.report.series import MEGABYTE, NOT_REACHED, as_target, ordered, recorded_targets, time_to_target
+from fast.targets import Target
 
 MISSING = "—"
 OUTCOME = "Accuracy and speed"
 COST = "Communication and consistency"
-_TARGET_KEY = re.compile(r"^time_to_(?P<target>[0-9.e+-]+)_s$")
+_TARGET_KEY = re.compile(r"^time_to_(?:(?P<metric>[A-Za-z_]\w*)(?P<op><=|>=))?(?P<value>[0-9.e+-]+)_s$")
+_METRIC_KEY = re.compile(r"^(?P<kind>final|best)_test_(?P<metric>\w+)$")
 
 
-def target_key(target: float) -> str:
-    return f"time_to_{target:g}_s"
+def target_key(target: float | str | Target) -> str:
+    """The row key of a target's time: `time_to_0.85_s` for test accuracy, `time_to_error<=0.1_s` otherwise."""
+    t = as_target(target)
+    if t.metric == "accuracy" and t.op == ">=":
+        return f"time_to_{t.value:g}_s"
+    return f"time_to_{t.metric}{t.op}{t.value:g}_s"
 
 
-def summary_rows(runs: list[Run], targets: list[float] | None = None) -> list[dict[str, Any]]:
+def summary_rows(runs: list[Run], targets: list[float | Target] | None = None) -> list[dict[str, Any]]:
     """One row per run, raw values (None where unknown, NOT_REACHED for a target never met).
 
-    `targets` defaults to every target any run's summary reports a time for.
+    `targets` (test accuracies or Targets) defaults to every target any run's summary reports a time for.
     """
-    targets = recorded_targets(runs) if targets is None else sorted(targets)
+    targets = recorded_targets(runs) if targets is None else ordered([as_target(t) for t in targets])
+    metrics = list(dict.fromkeys(t.metric for t in targets if t.metric not in ("accuracy", "loss")))
     rows = []
     for label, run in zip(distinct_labels(runs), runs, strict=True):
         s = run.summary
@@ -44,6 +51,9 @@ def summary_rows(runs: list[Run], targets: list[float] | None = None) -> list[di
             "final_test_accuracy": _value(s, "final_test_accuracy"),
             "best_test_accuracy": _value(s, "best_test_accuracy"),
         }
+        for metric in metrics:
+            row[f"final_test_{metric}"] = _value(s, f"final_test_{metric}")
+            row[f"best_test_{metric}"] = _value(s, f"best_test_{metric}")
         for target in targets:
             row[target_key(target)] = time_to_target(run, target)
         row |= {
@@ -117,6 +127,11 @@ def table_columns(rows: list[dict[str, Any]]) -> list[Column]:
     """The displayed columns for these rows, time-to-target columns included in row order."""
     keys = list(dict.fromkeys(key for row in rows for key in row))
     targets = [key for key in keys if _TARGET_KEY.match(key)]
+    metrics = [
+        Column(key, f"{m['kind']} test {m['metric']}", _significant)
+        for key in keys
+        if (m := _METRIC_KEY.match(key)) and m["metric"] not in ("accuracy", "loss")
+    ]
     return [
         Column("variant", "variant", str, numeric=False),
         Column("strategy", "strategy", str, numeric=False),
@@ -124,7 +139,8 @@ def table_columns(rows: list[dict[str, Any]]) -> list[Column]:
         Column("workers", "workers", _fixed(0)),
         Column("final_test_accuracy", "final test acc", _fixed(1, "%", 100)),
         Column("best_test_accuracy", "best test acc", _fixed(1, "%", 100)),
-        *[Column(key, f"time to {_target_percent(key)} (s)", _fixed(1)) for key in targets],
+        *metrics,
+        *[Column(key, f"time to {_target_name(key)} (s)", _fixed(1)) for key in targets],
         Column("samples_per_s", "samples/s", _fixed(0)),
         Column("mb_sent", "MB sent", _megabytes, group=COST),
         Column("compression_ratio", "compression", _fixed(1, "×"), group=COST),
@@ -136,9 +152,11 @@ def table_columns(rows: list[dict[str, Any]]) -> list[Column]:
     ]
 
 
-def _target_percent(key: str) -> str:
-    target = float(_TARGET_KEY.match(key)["target"])
-    return f"{target * 100:g}%"
+def _target_name(key: str) -> str:
+    match = _TARGET_KEY.match(key)
+    if match["metric"] is None:
+        return f"{float(match['value']) * 100:g}%"
+    return f"{match['metric']} {match['op'].replace('<=', '≤').replace('>=', '≥')} {float(match['value']):g}"
 
 
 def rich_table(rows: list[dict[str, Any]]) -> Table:

@@ -267,7 +267,7 @@ def summarize(job: Job, everyone: list[dict[str, Any]]) -> dict[str, Any]:
     computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
     # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
     compute_s = max(computes) if computes else None
-    steps = max(p["steps"] for p in trainers)
+    steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
     samples = sum(p["steps"] for p in trainers) * job.batch_size
     sent = sum(p["counter"]["bytes_sent"] for p in everyone)
     uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)

@@ -34,8 +34,9 @@ from fast import checkpoint, engine
 from fast.comm import Comm
 from fast.config import Config, load_config
 from fast.deployment import machine_for, network_for, world_size
-from fast.errors import ConfigError, FastError
+from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
+from fast.launch import name_process
 from fast.optim import build_schedule
 from fast.runtime import control
 from fast.runtime.clock import Clock
@@ -53,7 +54,7 @@ _current: Job | None = None
 def current() -> Job:
     """The job `fast.init` started in this process; FastError when there is none."""
     if _current is None:
-        raise FastError("fast.init() has not been called in this process: start with job = fast.init(...)")
+        raise UsageError("fast.init() has not been called in this process: start with job = fast.init(...)")
     return _current
 
 
@@ -74,23 +75,6 @@ def resolve_config(config: Any = None, **overrides: Any) -> Config:
     return load_config(source, **{**overrides, **{k.replace(".", "__"): v for k, v in launcher.items()}})
 
 
-def _process_title(title: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:  # only the name in ps and top is lost
-        pass
-
-
-def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
-    """A FastError that ends a script is one line and its exit code, as on the command line."""
-    if isinstance(error, FastError):
-        print(f"fast: error: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
-    sys.__excepthook__(kind, error, tb)
-
-
 def init(
     config: Any = None, *, out: str | Path | None = None, resume: str | Path | bool | None = None, **overrides: Any
 ) -> Job:
@@ -100,9 +84,7 @@ def init(
     until the workers are done, then exits: it never returns."""
     global _current
     if _current is not None and not _current.finished:
-        raise FastError("fast.init() was already called in this process: use the job it returned")
-    if not engine.under_torchrun():
-        sys.excepthook = _one_line_errors
+        raise UsageError("fast.init() was already called in this process: use the job it returned")
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:  # restarted by the agent
         resume = True
     if resume is True:
@@ -176,7 +158,7 @@ class Job:
         strategy_name = config.strategy.name
         role = f"server {self.rank - self.workers + 1}/{self.world_size - self.workers}" if self.is_server else (
             f"worker {self.rank}/{self.workers}")  # fmt: skip
-        _process_title(f"fast {role} {strategy_name} ({run.name})")
+        name_process(f"fast {role} {strategy_name} ({run.name})")
         threads = run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size)
         torch.set_num_threads(threads)
         if self.is_main:
@@ -236,7 +218,8 @@ class Job:
         self.skipped_steps, self.bad_in_a_row = 0, 0
         self._stopping = False
         self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
-        self._checked_at = -1
+        self._checked_at = -1  # the step of the last check
+        self._owed: int | None = None  # a check due after this step, not taken yet
         self._losses: list[torch.Tensor] = []
         self._values: dict[str, list[float]] = {}
         self._recorded_at = -1
@@ -270,12 +253,12 @@ class Job:
         """Hook the strategy into the user's model and optimizer (which are returned, the same objects): every
         replica starts from worker 0's weights, and a resumed run from its checkpoint. Collective."""
         if self.model is not None:
-            raise FastError("job.prepare() was already called: a job trains one model with one optimizer")
+            raise UsageError("job.prepare() was already called: a job trains one model with one optimizer")
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"job.prepare: the model must be a torch.nn.Module, got {type(model).__name__}")
+            raise UsageError(f"job.prepare: the model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
-            raise ConfigError(f"job.prepare: the optimizer must be a torch.optim.Optimizer, got {kind}")
+            raise UsageError(f"job.prepare: the optimizer must be a torch.optim.Optimizer, got {kind}")
         model.to(self.device)
         self.model, self.optimizer = model, optimizer
         if self.world_size > self.workers and self.is_main:
@@ -350,6 +333,9 @@ class Job:
         """Whether every worker has a next batch of its stream (workers in step only; the others go on alone)."""
         if not self.lockstep:
             return has_batch
+        self._settle()
+        if self.stopped:
+            return False
         answer = self.control.round(control.BATCH, self.step, [int(has_batch)], self.strategy.dead, self._lost)
         if not answer.all(0):
             self._stopping, self._ended_at = True, self.step  # one stream is dry: every worker ends here
@@ -360,6 +346,7 @@ class Job:
         """Before each step's forward: the checkpoint the last step asked for, and (first step) the schedule, now
         that the run's length may be known."""
         self._flush_checkpoint()
+        self._settle()
         if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
             self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
             if self._schedule_state:
@@ -375,13 +362,25 @@ class Job:
             self.schedule.step()
         done = self.step
         self.trained_s = self.clock.now()
-        if self.lockstep and (done % self.config.run.log_every == 0 or done == self.total_steps):
-            self._agree(done=self.stopped)
+        if self.lockstep and self._check_due(done):
+            self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
         elif self.strategy.stops_alone and self.config.run.max_time_s is not None:
             self._stopping = self._stopping or self.trained_s >= self.config.run.max_time_s
         checkpoints = self.config.run.checkpoint_every
         # written once the step is logged (job.log), or before the next step: so that it holds the step's record
         self._checkpoint_due = bool(checkpoints and done % checkpoints == 0 and not self.stopped)
+
+    def _check_due(self, step: int) -> bool:
+        """Whether the workers in step check together after `step`: every log_every steps, at each epoch's end and
+        at the planned last step (the same steps on every worker)."""
+        spe = self.steps_per_epoch
+        return step % self.config.run.log_every == 0 or bool(spe and step % spe == 0) or step == self.total_steps
+
+    def _settle(self, finishing: bool = False) -> None:
+        """Take the check owed at this step, now that this worker knows whether it goes on (`finishing`: no)."""
+        if self._owed == self.step:
+            self._owed = None
+            self._agree(done=finishing or self.stopped)
 
     def _agree(self, done: bool) -> None:
         """The workers' check every log_every steps and at the planned last step: has the time run out, will every
@@ -461,7 +460,7 @@ class Job:
 
         fn = eval_fn or self._eval_fn
         if fn is None:
-            raise ConfigError("job.evaluate() needs an eval function the first time: job.evaluate(fn), fn(model) -> {}")
+            raise UsageError("job.evaluate() needs an eval function the first time: job.evaluate(fn), fn(model) -> {}")
         self._eval_fn = fn
         return evaluate(self, fn, final=False)
 
@@ -572,9 +571,9 @@ class Job:
         from fast.runtime.ending import finish_worker
 
         if self.finished:
-            raise FastError("job.finish() was already called")
+            raise UsageError("job.finish() was already called")
         if self.model is None:
-            raise FastError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
+            raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
         self._eval_fn = eval_fn or self._eval_fn
         try:
             summary = finish_worker(self)
@@ -585,12 +584,12 @@ class Job:
     def _join(self) -> None:
         """Workers in step end together: one that has run out of steps while the others go on takes part in their
         exchanges with no data (as DDP's Join) until the periodic check finds every worker done."""
-        every = self.config.run.log_every
         joined_at = self.step
+        self._settle(finishing=True)
         if self.stopped and self._checked_at != self.step:  # the plan ended here for all (a run resumed at its end)
             self._agree(done=True)
         while self._ended_at != self.step:
-            if self.step % every == 0 and self._checked_at != self.step:
+            if self._check_due(self.step) and self._checked_at != self.step:
                 self._agree(done=True)
                 continue
             self.driver.null_step()

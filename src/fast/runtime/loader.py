@@ -126,6 +126,7 @@ class ShardedLoader:
         b = self.batch_size
         batches = [order[i * b : (i + 1) * b] for i in range(skip, self.steps_per_epoch)]
         for batch in self._fetch(batches):
+            job._settle()  # the workers' check owed after the last step, before this batch is used
             if job.stopped:
                 return
             self.taken += 1

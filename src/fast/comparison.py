@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import re
 import signal
@@ -27,11 +26,14 @@ from rich.table import Table
 from fast.config import Config, load_config, load_dict
 from fast.data import load_dataset
 from fast.errors import ConfigError, DataError, FastError
+from fast.factories import add_search_path
 from fast.report import build_report, load_run, summary_rows, write_summary_csv
+from fast.report.html import configured_targets
 from fast.report.runs import METRICS_FILE, SUMMARY_FILE, Run
-from fast.report.series import recorded_targets
+from fast.report.series import ordered, recorded_targets
 from fast.report.table import MISSING, table_columns
-from fast.run import train
+from fast.start import train
+from fast.targets import Target
 from fast.variants import variants
 
 REPORT_FILE = "report.html"
@@ -125,6 +127,8 @@ def _check_data(planned: list[Variant]) -> None:
     seen = set()
     for v in planned:
         data, seed = v.config.data, v.config.run.seed
+        if data.factory is not None:  # the user's own data: made by their function in each run
+            continue
         key = (data.name, data.dir, data.synthetic_train, data.synthetic_test, seed)
         if key not in seen:
             seen.add(key)
@@ -167,6 +171,8 @@ def compare(
     as the last line, the path of report.html. A Ctrl-C stops at once and keeps what finished.
     """
     console = console or _console()
+    if isinstance(source, str | Path) and Path(source).is_file():
+        add_search_path(str(Path(source).resolve().parent))  # the config's own modules ([model] factory, ...)
     planned = plan(source, **overrides)
     out_dir = Path(out) if out is not None else default_out_dir(source)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -339,14 +345,9 @@ def _duration(seconds: float) -> str:
     return f"{minutes}:{secs:02d}" if minutes else f"{seconds:.1f} s"
 
 
-def report_targets(runs: list[Run]) -> list[float]:
-    """The target accuracies to tabulate: those the runs recorded times for and those configs ask for."""
-    targets = list(recorded_targets(runs))
-    for run in runs:
-        for target in (run.config.get("run") or {}).get("targets") or []:
-            if isinstance(target, int | float) and not any(math.isclose(target, t) for t in targets):
-                targets.append(float(target))
-    return sorted(targets)
+def report_targets(runs: list[Run]) -> list[Target]:
+    """The targets to tabulate: those the runs recorded times for and those their configs ask for."""
+    return ordered(recorded_targets(runs) + configured_targets(runs))
 
 
 def write_report(
