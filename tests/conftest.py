@@ -1,6 +1,6 @@
 """Shared test set-up: quiet progress output, one thread per process, and a process-table check.
 
-`FAST_TEST_SEED=k` makes every `fast.train` of the tests use run.seed = k (unless the test sets one), and
+`FAST_TEST_SEED=k` makes every `fast.train` and `fast.run` of the tests use run.seed = k (unless the test sets one), and
 `FAST_SPREAD_LOG=FILE` appends each run's final accuracy there: `bench/accuracy_spread.py` uses both to
 measure the spread of the nondeterministic tests' accuracies over seeds, from which their bars are set.
 """
@@ -37,21 +37,25 @@ def _seeded_runs(request, monkeypatch):
     if seed is None and log is None:
         yield
         return
-    train, calls = fast.train, [0]
+    calls = [0]
 
-    def seeded_train(*args, **overrides):
-        if seed is not None and "resume" not in overrides:
-            overrides.setdefault("run__seed", int(seed))
-        summary = train(*args, **overrides)
-        if log is not None:
-            calls[0] += 1
-            record = {"test": request.node.nodeid, "call": calls[0], "seed": seed}
-            record["accuracy"] = summary.get("final_test_accuracy")
-            with open(log, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        return summary
+    def seeded(run):
+        def seeded_run(*args, **overrides):
+            if seed is not None and "resume" not in overrides:
+                overrides.setdefault("run__seed", int(seed))
+            summary = run(*args, **overrides) or {}
+            if log is not None:
+                calls[0] += 1
+                record = {"test": request.node.nodeid, "call": calls[0], "seed": seed}
+                record["accuracy"] = summary.get("final_test_accuracy")
+                with open(log, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            return summary
 
-    monkeypatch.setattr(fast, "train", seeded_train)
+        return seeded_run
+
+    monkeypatch.setattr(fast, "train", seeded(fast.train))
+    monkeypatch.setattr(fast, "run", seeded(fast.run))
     yield
 
 

@@ -43,6 +43,8 @@ FAMILIES = [
     ),  # fmt: skip
     pytest.param({"strategy.name": "ea-wild"}, 2, id="ea-wild", marks=pytest.mark.nondeterministic),
     pytest.param({"strategy.name": "ad-psgd"}, 3, id="ad-psgd", marks=pytest.mark.nondeterministic),
+    pytest.param({"strategy.name": "push-sum"}, 3, id="push-sum", marks=pytest.mark.nondeterministic),
+    pytest.param({"strategy.name": "async-broadcast"}, 3, id="async-broadcast", marks=pytest.mark.nondeterministic),
     pytest.param({"strategy.name": "hogwild"}, 2, id="hogwild", marks=pytest.mark.nondeterministic),
 ]
 
@@ -275,3 +277,14 @@ def test_tensorboard_event_files_hold_a_scalar_per_metric_and_worker(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard" / "worker0"))
     events.Reload()
     assert "test_accuracy" in events.Tags()["scalars"]
+
+
+def test_the_language_model_example_trains_on_the_loop_api_and_reports_perplexity(tmp_path, no_orphans):
+    summary = fast.run(
+        str(ROOT / "examples" / "lm" / "train.py"), workers=2, out=str(tmp_path), strategy__name="diloco",
+        strategy__period=5, run__max_steps=20, run__log_every=5, model__width=32, model__layers=1,
+        data__megabytes=0.5,
+    )  # fmt: skip
+    first, last = summary["evaluations"][0]["test_perplexity"], summary["final_test_perplexity"]
+    assert summary["steps_per_worker"] == 20 and last < first < 256  # a byte model guessing uniformly: 256
+    assert summary["time_to_target_s"] == {"perplexity <= 6": None} and summary["outer_rounds"] == 4

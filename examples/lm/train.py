@@ -1,7 +1,7 @@
 """Train the byte-level language model of lm.py with your own loop on FAST: any strategy, any deployment.
 
     fast run --workers 4 examples/lm/train.py                                   # sync, 4 local workers
-    fast run --workers 4 --config examples/lm/lm.toml --set strategy.name=diloco examples/lm/train.py
+    fast run --workers 4 --set strategy.name=diloco --set strategy.period=25 examples/lm/train.py
     python examples/lm/train.py                                                 # one worker
 
 The model, data, loss and metric are the user's (lm.py); FAST shards the data, runs the strategy around
@@ -18,15 +18,14 @@ import fast
 from fast.optim import build_optimizer
 
 job = fast.init(Path(__file__).with_name("lm.toml"))
-options = job.config.model.arguments()  # width, layers, heads, context from [model]
-train_set, validation_set = corpus(context=options.get("context", 128))
+train_set, validation_set = corpus(**job.config.data.arguments())  # context, megabytes from [data]
 torch.manual_seed(job.config.run.seed)
-model = transformer(**options)
+model = transformer(**job.config.model.arguments())  # width, layers, heads, context from [model]
 optimizer = build_optimizer(job.config.optimizer, model.parameters())  # AdamW as [optimizer] says
 model, optimizer = job.prepare(model, optimizer)
 loader = job.loader(train_set, batch_size=job.config.run.batch_size)
 evaluate_every = job.config.run.log_every * 5
-for epoch in job.epochs():
+for _ in job.epochs():
     for x, y in loader:
         loss = next_byte_loss(model, x, y)
         loss.backward()

@@ -124,6 +124,20 @@ def run_script_process(script: str, argv: list[str]) -> None:
         unfinished.finish()
 
 
+def _launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
+    """What the launcher needs of the run (workers, servers, name, restarts, address): `config` and the overrides.
+    Keys that only the script's own config makes valid ([model] width with its factory, say) are left to the
+    script's fast.init, which checks them all."""
+    try:
+        return load_config(config, **overrides)
+    except ConfigError as error:
+        launcher = {k: v for k, v in overrides.items() if k.startswith(("run__", "strategy__", "run.", "strategy."))}
+        try:
+            return load_config(config, **launcher)
+        except ConfigError:
+            raise error from None
+
+
 def run_script(
     script: str,
     argv: list[str] | None = None,
@@ -141,7 +155,7 @@ def run_script(
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"fast run --config {config}: no such file: give the path of a TOML file")
     dotted = {k.replace("__", "."): v for k, v in overrides.items()}
-    base = load_config(config, **overrides)
+    base = _launcher_view(config, overrides)
     workers = workers or base.run.workers
     dotted["run.workers"] = workers
     launcher_config = load_config(base.to_dict(), run__workers=workers)

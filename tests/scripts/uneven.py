@@ -11,7 +11,7 @@ torch.manual_seed(0)
 net = model()
 net, optimizer = job.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
 loader = job.loader(train_set, batch_size=16)
-for epoch in range(3):
+for _ in range(3):
     for x, y in loader:
         torch.nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
