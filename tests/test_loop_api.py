@@ -282,7 +282,7 @@ def test_tensorboard_event_files_hold_a_scalar_per_metric_and_worker(tmp_path):
 def test_the_language_model_example_trains_on_the_loop_api_and_reports_perplexity(tmp_path, no_orphans):
     summary = fast.run(
         str(ROOT / "examples" / "lm" / "train.py"), workers=2, out=str(tmp_path), strategy__name="diloco",
-        strategy__period=5, run__max_steps=20, run__log_every=5, model__width=32, model__layers=1,
+        strategy__period=5, run__max_steps=20, run__log_every=2, model__width=32, model__layers=1,
         data__megabytes=0.5,
     )  # fmt: skip
     first, last = summary["evaluations"][0]["test_perplexity"], summary["final_test_perplexity"]
