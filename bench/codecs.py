@@ -87,7 +87,7 @@ def throughput(sizes: list[int]) -> list[dict]:
 
 def lenet() -> nn.Module:
     try:
-        from fast.models import build_model
+        from fast.jobs.models import build_model
 
         return build_model("lenet", (1, 28, 28), 10)
     except ImportError:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import fast
-from fast.comparison import write_report
+from fast.tools.comparison import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "lm" / "train.py"

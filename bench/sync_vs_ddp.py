@@ -3,13 +3,13 @@
     .venv/bin/python bench/sync_vs_ddp.py [--rounds 3] [--steps 150] [--models lenet mlp] [--workers 2 4]
                                           [--quick] [--out results.json]
 
-For each model and worker count, three sides train the same model (fast.models) on the same data shards
+For each model and worker count, three sides train the same model (fast.jobs.models) on the same data shards
 (Fashion-MNIST if installed, else mnist5k; iid partition), with the same batch per worker, optimizer
 (SGD lr 0.05, momentum 0.9), number of steps and torch threads per process (cores // workers):
 
 - `sync`: `fast.train(strategy.name="sync")`, FAST's bucketed all-reduce overlapped with backward;
 - `ddp`:  the same step loop as FAST's worker under torch.nn.parallel.DistributedDataParallel (its
-  defaults), started by FAST's launcher on a gloo group made by fast.engine;
+  defaults), started by FAST's launcher on a gloo group made by fast.comm.bootstrap;
 - `none`: `fast.train(strategy.name="none")`, no communication at all: the upper bound.
 
 Each side's samples/s is steps x batch x workers over the slowest worker's time from the common start
@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import fast
-from fast import engine
-from fast.data import FASHION_MNIST_DEBIAN_DIR, load_dataset, partition
-from fast.launch import launch
-from fast.models import build_model
+from fast.comm import bootstrap as engine
+from fast.jobs.datasets import FASHION_MNIST_DEBIAN_DIR, load_dataset, partition
+from fast.jobs.models import build_model
+from fast.runtime.launch import launch
 
 SIDES = ("sync", "ddp", "none")
 BATCH = 64

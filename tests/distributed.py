@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from fast import engine
-from fast.launch import launch
+from fast.comm import bootstrap as engine
+from fast.runtime.launch import launch
 
 
 def _entry(fn: Callable[..., Any], deadline_s: float, args: tuple) -> Any:

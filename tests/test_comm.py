@@ -7,7 +7,7 @@ import torch
 
 from fast.comm import Comm
 from fast.errors import CommTimeout
-from fast.launch import WorkerFailed
+from fast.runtime.launch import WorkerFailed
 from tests.distributed import run_distributed
 
 

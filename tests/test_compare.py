@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import fast.comparison
-from fast.cli import main
-from fast.config import load_config
-from fast.launch import WorkerFailed
+import fast.tools.comparison
+from fast.assemble import load_config
+from fast.runtime.launch import WorkerFailed
+from fast.tools.cli import main
 
 BASE = """
 [run]
@@ -66,7 +66,7 @@ def compared(tmp_path_factory):
     """One real comparison: two tiny variants that train, and one whose run fails (injected)."""
     folder = tmp_path_factory.mktemp("compare")
     config = write_config(folder, THREE_VARIANTS)
-    real_train = fast.comparison.train
+    real_train = fast.tools.comparison.train
 
     def train_or_fail(variant_config, out):
         if variant_config.run.name == "broken":
@@ -75,7 +75,7 @@ def compared(tmp_path_factory):
 
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
-        patch.setattr(fast.comparison, "train", train_or_fail)
+        patch.setattr(fast.tools.comparison, "train", train_or_fail)
         code = main(["compare", str(config), "--out", str(folder / "out"), "--set", "run.log_every=5"])
     return folder / "out", code, out.getvalue()
 
@@ -145,7 +145,7 @@ def test_a_bad_variant_stops_everything_before_anything_runs(tmp_path, capsys, v
 
 def test_set_applies_to_every_variant_after_its_own_keys(tmp_path, capsys):
     config = write_config(tmp_path, THREE_VARIANTS)
-    planned = fast.comparison.plan(config, optimizer__lr=0.2)
+    planned = fast.tools.comparison.plan(config, optimizer__lr=0.2)
     assert [(v.name, v.config.run.name, v.config.optimizer.lr) for v in planned] == [
         ("sync", "sync", 0.2),
         ("slow-lr", "slow-lr", 0.2),
@@ -172,7 +172,7 @@ def test_ctrl_c_stops_the_comparison_and_keeps_what_finished(tmp_path, monkeypat
         except KeyboardInterrupt:
             raise WorkerFailed("interrupted (Ctrl-C): every worker was stopped") from None
 
-    monkeypatch.setattr(fast.comparison, "train", fail_then_interrupt)
+    monkeypatch.setattr(fast.tools.comparison, "train", fail_then_interrupt)
     assert main(["compare", str(config), "--out", str(tmp_path / "out")]) == 130
     assert started == ["one", "two"]
     assert [r["variant"] for r in read_rows(tmp_path / "out" / "summary.csv")] == ["one"]
@@ -183,7 +183,7 @@ def test_ctrl_c_stops_the_comparison_and_keeps_what_finished(tmp_path, monkeypat
 
 def test_variants_merge_overrides_into_the_base():
     base = {"run": {"workers": 4}, "strategy": {"name": "gossip", "topology": "ring"}}
-    found = fast.comparison.variants(
+    found = fast.tools.comparison.variants(
         base
         | {
             "variant": [
@@ -201,7 +201,7 @@ def test_variants_merge_overrides_into_the_base():
 
 def test_the_demo_config_is_valid():
     demo = Path(__file__).parents[1] / "examples" / "demo.toml"
-    found = fast.comparison.variants(demo)
+    found = fast.tools.comparison.variants(demo)
     assert len(found) >= 2 and found[0][0] == "sync"
     for name, data in found:
         config = load_config(data)

@@ -6,20 +6,15 @@ import pytest
 import torch
 
 import fast
+from fast.assemble import load_config
 from fast.codecs import build_codec
+from fast.codecs.parts import decode_parts, split_frames
 from fast.comm import Comm
-from fast.comm.compressed import (
-    CompressedAllReduce,
-    decode_parts,
-    exchange_compressed,
-    recv_compressed,
-    send_compressed,
-    split_frames,
-    worker_codec,
-)
-from fast.config import load_config
 from fast.errors import ConfigError, FrameError
-from fast.models import build_model
+from fast.exchange.allreduce import CompressedAllReduce, worker_codec
+from fast.exchange.encoded import recv_compressed, send_compressed
+from fast.exchange.neighbours import exchange_compressed
+from fast.jobs.models import build_model
 from fast.strategies.sync import MomentumCorrection
 
 N = 1000

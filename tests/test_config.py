@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from fast.cli import main
-from fast.config import load_config
+from fast.assemble import load_config
 from fast.errors import ConfigError
+from fast.tools.cli import main
 
 
 def test_defaults_are_the_documented_job():
@@ -66,5 +66,5 @@ def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "fast.cli", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "fast.tools.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "train" in out.stdout

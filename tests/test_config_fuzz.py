@@ -4,7 +4,7 @@ import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fast.cli import main
+from fast.tools.cli import main
 
 NUMERIC = {
     "run": [

@@ -1,4 +1,4 @@
-"""Tests for fast.data: each data set's shapes and splits, errors for bad input, and worker partitions."""
+"""Tests for fast.jobs.datasets: each data set's shapes and splits, errors for bad input, and worker partitions."""
 
 import importlib.util
 import os
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fast.data import DATASETS, FASHION_MNIST_DEBIAN_DIR, load_dataset, partition, worker_shard
 from fast.errors import ConfigError, DataError
+from fast.jobs.datasets import DATASETS, FASHION_MNIST_DEBIAN_DIR, load_dataset, partition, worker_shard
 
 
 def check_dataset(dataset, name, train, test, shape):

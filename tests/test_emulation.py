@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
+from fast.assemble import load_config, world_size
 from fast.comm import MessageLost
-from fast.comm.emulation import EmulatedComm, Network
-from fast.comm.links import EmulatedLink, LinkTable, Outage
-from fast.comm.machine import CRASH_EXIT_CODE, EmulatedMachine, MachinePlan
-from fast.config import load_config
-from fast.deployment import link_table, machine_for
+from fast.emulation.compute import CRASH_EXIT_CODE, EmulatedMachine, MachinePlan
+from fast.emulation.deployment import link_table, machine_for
+from fast.emulation.links import EmulatedLink, LinkTable, Outage
+from fast.emulation.network import EmulatedComm, Network
 from fast.errors import ConfigError
 from tests.distributed import run_distributed
 
@@ -233,7 +233,7 @@ def test_deployment_tables_resolve_sites_wan_and_overrides():
         network__links=[{"a": 0, "b": 3, "bandwidth": "1Mbit"}],
         faults__link_down=[{"a": 0, "b": 1, "start": "1s", "end": "2s"}],
     )
-    table = link_table(config)
+    table = link_table(config, world_size(config))
     assert table.link(0, 1) == EmulatedLink(0.001, 12.5e6)
     assert table.link(1, 2) == EmulatedLink(0.05, 1.25e6)
     assert table.link(3, 0) == EmulatedLink(0.05, 125e3)  # the override starts from the WAN link
@@ -276,8 +276,9 @@ def test_a_slow_machine_sleeps_in_proportion_to_its_compute():
     machine = EmulatedMachine(MachinePlan(rank=0, slowdown=3.0))
     for step in range(3):
         started = time.perf_counter()
-        with machine.step(step):
-            time.sleep(0.02)
+        machine.before_step(step)
+        time.sleep(0.02)
+        machine.after_step()
         took = time.perf_counter() - started
     assert took >= 0.02 + 2 * 0.02 * 0.9
     assert machine.record()["slowdown_s"] >= 0.07
@@ -298,7 +299,7 @@ def test_machine_plan_comes_from_compute_and_faults():
 
 
 def _tiny_run(tmp_path, **overrides):
-    from fast.start import train
+    from fast.tools.start import train
 
     return train(
         None,

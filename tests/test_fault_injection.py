@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fast
-from fast.launch import WorkerFailed
+from fast.runtime.launch import WorkerFailed
 from tests.test_survival import JOB as SURVIVAL_JOB
 
 JOB = {**SURVIVAL_JOB, "network__bandwidth": "1Gbit", "network__latency": "1ms"}  # faults need emulation

@@ -12,7 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fast import checkpoint, engine
+from fast.comm import bootstrap as engine
+from fast.runtime import checkpoints as checkpoint
 
 FAST = str(Path(sys.executable).with_name("fast"))  # the command line of this venv
 EVERY = 50  # checkpoint_every: Ctrl-C comes after the checkpoint of step 50, long before the one of step 100

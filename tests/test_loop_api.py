@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import fast
-from fast.data import load_dataset, partition
-from fast.models import build_model
+from fast.jobs.datasets import load_dataset, partition
+from fast.jobs.models import build_model
 from fast.runtime.loader import epoch_order
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +67,8 @@ def test_the_ported_script_trains_breast_cancer_data_under_every_strategy_family
 LOOP = """
 import sys, torch
 import fast
-from fast.data import load_dataset
-from fast.models import build_model
+from fast.jobs.datasets import load_dataset
+from fast.jobs.models import build_model
 from torch.utils.data import TensorDataset as LabelledTensors
 
 job = fast.init(None, out=sys.argv[1])
@@ -200,7 +200,7 @@ def test_warmup_cosine_gives_the_expected_learning_rate_on_every_worker(tmp_path
 
 
 def test_optimizer_keyword_arguments_from_toml_reach_the_optimizer(tmp_path):
-    from fast.config import load_config
+    from fast.assemble import load_config
     from fast.optim import build_optimizer
 
     path = tmp_path / "job.toml"

@@ -1,12 +1,12 @@
-"""Tests for fast.models: output shapes on small and large inputs, determinism, and that training learns."""
+"""Tests for fast.jobs.models: output shapes on small and large inputs, determinism, and that training learns."""
 
 import pytest
 import torch
 from torch import nn
 
-from fast.data import load_dataset
 from fast.errors import ConfigError
-from fast.models import MODELS, build_model
+from fast.jobs.datasets import load_dataset
+from fast.jobs.models import MODELS, build_model
 
 
 @pytest.fixture(autouse=True)

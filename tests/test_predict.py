@@ -3,17 +3,15 @@
 import pytest
 from rich.console import Console
 
-from fast.cli import main
+from fast.assemble import load_config
 from fast.codecs import build_codec
-from fast.config import load_config
-from fast.data import load_dataset
-from fast.models import build_model
+from fast.jobs.datasets import load_dataset
+from fast.jobs.models import build_model
 from fast.perfmodel import Link
-from fast.predict import (
-    LOOPBACK,
+from fast.pricing import LOOPBACK, effective_compute_s, expected_maximum_factor
+from fast.tools.cli import main
+from fast.tools.predict import (
     config_for_prediction,
-    effective_compute_s,
-    expected_maximum_factor,
     measure_compute_s,
     oversubscription,
     predict,

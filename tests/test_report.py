@@ -13,9 +13,9 @@ import pytest
 from rich.console import Console
 
 from fast.errors import ConfigError, DataError
-from fast.report import build_report, load_run, rich_table, summary_rows, write_summary_csv
-from fast.report.series import NOT_REACHED, loss_curve, megabytes_sent_curve
-from fast.report.table import target_key
+from fast.tools.report import build_report, load_run, rich_table, summary_rows, write_summary_csv
+from fast.tools.report.series import NOT_REACHED, loss_curve, megabytes_sent_curve
+from fast.tools.report.table import target_key
 
 FIGURE_TITLES = [
     "Test accuracy vs epochs",

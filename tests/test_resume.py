@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import fast
-from fast import checkpoint
-from fast.launch import WorkerFailed
+from fast.runtime import checkpoints as checkpoint
+from fast.runtime.launch import WorkerFailed
 from fast.strategies.async_ps import AsyncPSOptions, ShardState
-from fast.strategies.easgd import CenterState
+from fast.strategies.elastic import CenterState
 from fast.strategies.snapshots import Snapshots
 from tests.outputs import assert_same_model
 

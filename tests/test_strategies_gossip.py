@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import fast
+from fast.assemble import load_config
 from fast.comm import Comm
-from fast.config import load_config
 from fast.errors import ConfigError
 from fast.strategies import StrategyContext, build_strategy, strategy_options
-from fast.strategies.gossip import GossipRounds
+from fast.strategies.peers import rounds_for
+from fast.topology.rounds import Rounds
 from tests.distributed import run_distributed
 
 DIGITS = {
@@ -56,7 +57,7 @@ def test_options_that_cannot_work_are_errors_naming_the_key(strategy, key):
 
 
 # -- D-PSGD rounds: what both ends of every channel agree on ------------------------------------------------
-def round_matrix(rounds: GossipRounds, size: int, r: int) -> torch.Tensor:
+def round_matrix(rounds: Rounds, size: int, r: int) -> torch.Tensor:
     w = torch.zeros(size, size, dtype=torch.float64)
     for i in range(size):
         plan = rounds.plan(i, r)
@@ -79,7 +80,7 @@ def round_matrix(rounds: GossipRounds, size: int, r: int) -> torch.Tensor:
 )
 def test_every_round_mixes_with_a_doubly_stochastic_matrix_and_partial_rounds_drop_channels(strategy, symmetric):
     config = config_with({"name": "gossip", **strategy}, workers=9)
-    rounds = GossipRounds(strategy_options(config), 9, seed=3)
+    rounds = rounds_for(strategy_options(config), 9, seed=3)
     ones = torch.ones(9, dtype=torch.float64)
     links_per_round = []
     for r in range(40):

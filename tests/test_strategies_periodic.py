@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 
 import fast
+from fast.assemble import load_config
 from fast.comm import Comm
-from fast.config import Config, load_config
+from fast.config import Config
 from fast.errors import ConfigError
-from fast.models import build_model
+from fast.jobs.models import build_model
 from fast.strategies import Strategy, StrategyContext, build_strategy
-from fast.strategies.local_sgd import FlatState
+from fast.strategies.flat import FlatState
 from tests.distributed import run_distributed
 
 STEPS, BATCH, WORKERS = 6, 8, 3

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import fast
+from fast.assemble import load_config
 from fast.comm import Comm
-from fast.config import load_config
 from fast.errors import ConfigError
-from fast.models import build_model
+from fast.jobs.models import build_model
 from fast.strategies import StrategyContext, build_strategy, strategy_class, strategy_options
 from fast.strategies.async_ps import compensated_gradient, shard_bounds
 from fast.strategies.base import ModelLayout

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fast
-from fast import engine
+from fast.comm import bootstrap as engine
+from fast.comm.messages import Listener, Mailbox
 from fast.errors import CommTimeout
-from fast.launch import WorkerFailed, launch
-from fast.strategies.messages import Channel, Listener
+from fast.runtime.launch import WorkerFailed, launch
 from tests.distributed import _entry
 
 JOB = {
@@ -116,7 +116,7 @@ DEADLINE_S = 1.0
 
 def _silent_and_dead_peers(comm):
     """Rank 3 dies; rank 2 stays alive but never receives or finishes; rank 1 behaves."""
-    channel = Channel(comm)
+    channel = Mailbox(comm)
     channel.comm.barrier()  # every pair of the channel is connected before rank 3 dies
     if comm.rank == 3:
         os.kill(os.getpid(), signal.SIGKILL)

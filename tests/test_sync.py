@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fast.assemble import load_config
 from fast.comm import Comm
-from fast.config import load_config
-from fast.models import build_model
+from fast.jobs.models import build_model
 from fast.strategies import StrategyContext, build_strategy
 
 STEPS, BATCH = 5, 8

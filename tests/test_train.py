@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fast
-from fast.launch import WorkerFailed
+from fast.runtime.launch import WorkerFailed
 
 DIGITS = {
     "data__name": "digits",
@@ -59,12 +59,12 @@ def test_sync_trains_digits_and_writes_the_documented_outputs(digits_run):
     evals = [r for r in records if "test_accuracy" in r]
     assert len(evals) >= 3 and evals[-1]["test_accuracy"] == on_disk["final_test_accuracy"]
     state = torch.load(out / "model.pt", weights_only=True)
-    assert set(state) == {name for name, _ in fast.models.build_model("mlp", (1, 8, 8), 10).state_dict().items()}
+    assert set(state) == {name for name, _ in fast.jobs.models.build_model("mlp", (1, 8, 8), 10).state_dict().items()}
 
 
 def test_bytes_sent_are_what_ring_all_reduce_moves(digits_run):
     summary, _ = digits_run
-    params = sum(p.numel() for p in fast.models.build_model("mlp", (1, 8, 8), 10).parameters())
+    params = sum(p.numel() for p in fast.jobs.models.build_model("mlp", (1, 8, 8), 10).parameters())
     steps = summary["steps_per_worker"]
     # 2 workers: each sends 2(N-1)/N = 1x the gradient per step, plus one count element per bucket (one here)
     assert summary["bytes_sent"] == 2 * steps * (params + 1) * 4

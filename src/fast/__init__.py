@@ -88,7 +88,7 @@ def train(
     model and the cross-entropy step; both must be importable top-level functions (workers are processes).
     Overrides use `__` for dots: `fast.train("job.toml", run__workers=2, strategy__name="sync")`.
     """
-    from fast.start import train as _train
+    from fast.tools.start import train as _train
 
     return _train(config, out=out, model_fn=model_fn, step_fn=step_fn, resume=resume, **overrides)
 
@@ -96,15 +96,16 @@ def train(
 def run(script: str, *args: str, workers: int | None = None, config: str | None = None, out: Any = None,
         **overrides: Any) -> dict[str, Any] | None:  # fmt: skip
     """`fast run`: your script (which calls fast.init) on `workers` local processes; returns the summary."""
-    from fast.start import run_script
+    from fast.tools.start import run_script
 
     return run_script(script, list(args), workers=workers, config=config, out=out, **overrides)
 
 
 def compare(config: Any, out: str | None = None, **overrides: Any) -> Any:
     """Run every `[[variant]]` of a config (TOML path or dict) into `out`/<variant> and write report.html there;
-    returns a `fast.comparison.Comparison` (the report's path and how each variant ended). Overrides as in `train`."""
-    from fast.comparison import compare as _compare
+    returns a `fast.tools.comparison.Comparison` (the report's path and how each variant ended). Overrides as in
+    `train`."""
+    from fast.tools.comparison import compare as _compare
 
     return _compare(config, out, **overrides)
 

@@ -34,18 +34,22 @@ def _search_paths() -> None:
             sys.path.append(folder)
 
 
+def import_module(module_name: str, key: str, spec: str | None = None) -> Any:
+    """The user's module `module_name`, named by config key `key` (= `spec`); ConfigError when it does not import."""
+    _search_paths()
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"`{key}` = {spec or module_name!r}: module {module_name!r} does not import ({e}); put it in the current "
+            "directory, beside the config or script, or install it"
+        ) from None
+
+
 def load_factory(spec: str, key: str) -> Callable[..., Any]:
     """The function `spec` ("package.module:function") names; ConfigError naming `key` when it cannot be had."""
     module_name, _, attribute = spec.partition(":")
-    _search_paths()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"`{key}` = {spec!r}: module {module_name!r} does not import ({e}); put it in the current directory, "
-            "beside the config or script, or install it"
-        ) from None
-    target: Any = module
+    target: Any = import_module(module_name, key, spec)
     for part in attribute.split("."):
         target = getattr(target, part, None)
         if target is None:

@@ -26,19 +26,31 @@ from fast.codecs.packing import BodyReader, tensor_bytes
 from fast.errors import ConfigError, FrameError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+CAPABILITIES = ("summable", "floats_only", "low_rank", "sparsifier", "fixed_size", "contractive", "gradients_only")
 RAW_CODEC_ID = CODEC_IDS["none"]
 
 
 class Codec:
     """Encodes tensors into frames (uint8 tensors) and decodes frames back into tensors.
 
-    `summable` codecs produce values that peers may add elementwise (an all-reduce in `wire_dtype`);
-    the others are all-gathered and decoded one by one.
+    What a codec can do is declared as capabilities, which strategies and exchanges ask instead of its name:
+    `summable` codecs produce values that peers may add elementwise (an all-reduce in `wire_dtype`), the others
+    are all-gathered and decoded one by one; `low_rank` ones (PowerSGD) sum as factors; `sparsifier`s select
+    elements over a whole flat tensor; `fixed_size` frames have a size known before encoding (a receiver can
+    post its receive first); `contractive` ones shrink what they compress, E‖Q(v) − v‖² < ‖v‖² (what CHOCO-SGD
+    needs); `gradients_only` ones keep a momentum of what they compress, which only gradients have.
     """
 
     name: ClassVar[str]
     summable: ClassVar[bool] = False
     floats_only: ClassVar[bool] = True
+    low_rank: ClassVar[bool] = False
+    sparsifier: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True
+    contractive: ClassVar[bool] = False
+    gradients_only: ClassVar[bool] = False
+    # per-tensor state a stateful codec checkpoints: the state's key -> the attribute holding {tensor key: tensor}
+    per_tensor_state: ClassVar[dict[str, str]] = {}
 
     def __init__(self, *, min_elements: int = 0, seed: int = 0):
         self.min_elements = non_negative_int("min_elements", min_elements)
@@ -117,11 +129,16 @@ class Codec:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this codec where it stopped (random streams, per-tensor state)."""
-        return {"generators": {name: g.get_state() for name, g in self._generators.items()}}
+        state: dict[str, Any] = {"generators": {name: g.get_state() for name, g in self._generators.items()}}
+        for name, attribute in self.per_tensor_state.items():
+            state[name] = {key: value.clone() for key, value in getattr(self, attribute).items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, generator_state in state["generators"].items():
             self.generator(name).set_state(generator_state)
+        for name, attribute in self.per_tensor_state.items():
+            setattr(self, attribute, {key: value.clone() for key, value in state[name].items()})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(min_elements={self.min_elements}, seed={self.seed})"

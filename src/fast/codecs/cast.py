@@ -18,6 +18,8 @@ from fast.codecs.packing import BodyReader, tensor_bytes
 class NoCompression(Codec):
     """`none`: the tensor's own memory, any dtype."""
 
+    contractive = True
+
     name = "none"
     summable = True
     floats_only = False
@@ -38,6 +40,8 @@ class NoCompression(Codec):
 
 class _Cast(Codec):
     """Every element cast to `cast_dtype`, 2 bytes each; decoded back to the sender's dtype."""
+
+    contractive = True
 
     cast_dtype: ClassVar[torch.dtype]
     summable = True

@@ -33,7 +33,12 @@ WARMUP_DENSITY_BASE = 0.25
 class DGC(Codec):
     """Deep Gradient Compression with momentum correction, factor masking, clipping and warm-up."""
 
+    sparsifier = True
+    fixed_size = False
+    gradients_only = True
+
     name = "dgc"
+    per_tensor_state = {"velocity": "_velocity", "accumulated": "_accumulated"}
 
     def __init__(
         self,
@@ -101,18 +106,11 @@ class DGC(Codec):
         return sparse_body_size(numel, kept_count(numel, self.density), dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "epoch": self.epoch,
-            "velocity": {key: value.clone() for key, value in self._velocity.items()},
-            "accumulated": {key: value.clone() for key, value in self._accumulated.items()},
-        }
+        return {**super().state_dict(), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.epoch = state["epoch"]
-        self._velocity = {key: value.clone() for key, value in state["velocity"].items()}
-        self._accumulated = {key: value.clone() for key, value in state["accumulated"].items()}
 
     def __repr__(self) -> str:
         return (

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fast.codecs.base import Codec, per_tensor_state
+from fast.codecs.base import CAPABILITIES, Codec, per_tensor_state
 from fast.codecs.frame import MAX_FRAME_BYTES
 
 
@@ -29,8 +29,8 @@ class ErrorFeedback(Codec):
             raise ValueError("the codec already has error feedback")
         self.codec = codec
         self.name = codec.name
-        self.summable = codec.summable
-        self.floats_only = codec.floats_only
+        for capability in CAPABILITIES:  # on the wire it is the codec it wraps
+            setattr(self, capability, getattr(codec, capability))
         self._residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, key: str = "") -> torch.Tensor | None:

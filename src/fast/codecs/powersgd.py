@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
 
 import torch
 
@@ -42,7 +41,11 @@ def orthonormalise(p: torch.Tensor) -> torch.Tensor:
 class PowerSGD(Codec):
     """Rank-`rank` compression by power iteration, warm-started from the previous step's Q."""
 
+    low_rank = True
+    contractive = True
+
     name = "powersgd"
+    per_tensor_state = {"q": "_q"}
 
     def __init__(self, *, rank: int = 1, warm_start: bool = True, min_elements: int = 0, seed: int = 0):
         super().__init__(min_elements=min_elements, seed=seed)
@@ -111,13 +114,6 @@ class PowerSGD(Codec):
     def _body_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         rows, columns = matrix_shape(shape)
         return 4 * (rows + columns) * self._rank_for(rows, columns)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "q": {key: value.clone() for key, value in self._q.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._q = {key: value.clone() for key, value in state["q"].items()}
 
     def __repr__(self) -> str:
         return f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, seed={self.seed})"

@@ -21,6 +21,8 @@ from fast.errors import FrameError
 class Uint8(Codec):
     """Per-tensor min-max quantisation to 256 levels: min, max (fp32) and one byte per element."""
 
+    contractive = True
+
     name = "uint8"
 
     def _encode_body(self, x: torch.Tensor, key: str) -> torch.Tensor:

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -40,6 +39,8 @@ def decode_sign_body(body: BodyReader, shape: tuple[int, ...], dtype: torch.dtyp
 class Sign(Codec):
     """Scaled sign: mean |x| (fp32) and a sign bit per element."""
 
+    contractive = True
+
     name = "sign"
 
     def _encode_body(self, x: torch.Tensor, key: str) -> torch.Tensor:
@@ -56,6 +57,7 @@ class Signum(Codec):
     """Sign of the per-tensor momentum buffer, optionally scaled by its mean magnitude."""
 
     name = "signum"
+    per_tensor_state = {"momenta": "_momenta"}
 
     def __init__(self, *, momentum: float = 0.9, scale: bool = False, min_elements: int = 0, seed: int = 0):
         super().__init__(min_elements=min_elements, seed=seed)
@@ -80,13 +82,6 @@ class Signum(Codec):
 
     def _body_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         return 4 * self.scale + (math.prod(shape) + 7) // 8
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "momenta": {key: value.clone() for key, value in self._momenta.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._momenta = {key: value.clone() for key, value in state["momenta"].items()}
 
     def __repr__(self) -> str:
         return f"Signum(momentum={self.momentum}, scale={self.scale})"

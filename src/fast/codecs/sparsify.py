@@ -109,14 +109,21 @@ def sparse_body_size(numel: int, count: int, dtype: torch.dtype) -> int:
     return 8 + count * (dtype.itemsize + index_width(numel))
 
 
-class TopK(Codec):
-    """The ceil(ratio * n) largest magnitudes, with their indices."""
+class KeepsRatio(Codec):
+    """A sparsifier that keeps a fixed share `ratio` of the elements."""
 
-    name = "topk"
+    sparsifier = True
+    contractive = True
 
     def __init__(self, *, ratio: float = 0.01, min_elements: int = 0, seed: int = 0):
         super().__init__(min_elements=min_elements, seed=seed)
         self.ratio = fraction("ratio", ratio)
+
+
+class TopK(KeepsRatio):
+    """The ceil(ratio * n) largest magnitudes, with their indices."""
+
+    name = "topk"
 
     def _encode_body(self, x: torch.Tensor, key: str) -> torch.Tensor:
         flat = x.reshape(-1)
@@ -133,14 +140,10 @@ class TopK(Codec):
         return f"TopK(ratio={self.ratio})"
 
 
-class RandomK(Codec):
+class RandomK(KeepsRatio):
     """ceil(ratio * n) elements chosen at random; the frame carries the draw's seed, not the indices."""
 
     name = "randomk"
-
-    def __init__(self, *, ratio: float = 0.01, min_elements: int = 0, seed: int = 0):
-        super().__init__(min_elements=min_elements, seed=seed)
-        self.ratio = fraction("ratio", ratio)
 
     def _encode_body(self, x: torch.Tensor, key: str) -> torch.Tensor:
         flat = x.reshape(-1)
@@ -166,6 +169,9 @@ class RandomK(Codec):
 
 class Threshold(Codec):
     """The elements with |x| > value, with their indices; the frame's size depends on the data."""
+
+    sparsifier = True
+    fixed_size = False
 
     name = "threshold"
 

@@ -84,7 +84,7 @@ def sender_of(work: Any, group: Any) -> int:
     return local if group is None else dist.get_global_rank(group, local)
 
 
-def _post(op: str, peer: str, deadline_s: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def post(op: str, peer: str, deadline_s: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Start a point-to-point operation; a connection already known to be closed fails here, not at wait()."""
     try:
         return start(*args, **kwargs)
@@ -126,7 +126,7 @@ class Comm:
         return self.ranks.index(self.rank if rank is None else rank)
 
     # -- groups ------------------------------------------------------------------------------------------
-    def channel(self) -> Comm:
+    def separate_group(self) -> Comm:
         """A separate gloo group over the same ranks, for background threads (collective: all ranks call it)."""
         group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=self.deadline_s))
         comm = self._derived(group=group, ranks=self.ranks, device="cpu")
@@ -155,13 +155,13 @@ class Comm:
 
     # -- point to point ----------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
-        work = _post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
+        work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
         return Handle(work, "send", f"worker {dst}", self.deadline_s)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         peer = f"worker {src}" if src is not None else "any worker"
-        work = _post("recv", peer, self.deadline_s, dist.irecv, tensor, src=src, group=self.group, tag=tag)
+        work = post("recv", peer, self.deadline_s, dist.irecv, tensor, src=src, group=self.group, tag=tag)
 
         def done() -> torch.Tensor:
             peer = src if src is not None else sender_of(work, self.group)
@@ -178,7 +178,7 @@ class Comm:
 
     def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
-        work = _post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
+        work = post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
         Handle(work, "recv", "any worker", self.deadline_s).wait()
         peer = sender_of(work, self.group)
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())

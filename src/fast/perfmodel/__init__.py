@@ -1,8 +1,9 @@
 """The α-β cost model: predict step time and traffic of each strategy on given links, before training.
 
 `Link` is a link (latency α, bandwidth β); `allreduce_cost` prices one all-reduce per algorithm;
-`step_cost` prices one training step per strategy; `flops_per_sample` and `compute_communication_ratio`
-describe the model; `rank_by_epoch_time` orders variants by predicted time per epoch.
+`fast.perfmodel.step` holds the pieces each strategy prices its step with (`Strategy.cost`);
+`flops_per_sample` and `compute_communication_ratio` describe the model; `rank_by_epoch_time` orders variants
+by predicted time per epoch.
 """
 
 from fast.perfmodel.allreduce import ALLREDUCE_ALGORITHMS, allreduce_cost
@@ -14,11 +15,10 @@ from fast.perfmodel.flops import (
 )
 from fast.perfmodel.link import Link
 from fast.perfmodel.ranking import rank_by_epoch_time
-from fast.perfmodel.step import COST_OPTIONS, StepCost, step_cost
+from fast.perfmodel.step import StepCost
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS",
-    "COST_OPTIONS",
     "Link",
     "StepCost",
     "allreduce_cost",
@@ -26,6 +26,5 @@ __all__ = [
     "flops_per_sample",
     "forward_flops_per_sample",
     "rank_by_epoch_time",
-    "step_cost",
     "trainable_parameter_count",
 ]

@@ -1,12 +1,13 @@
 """Time and traffic of one all-reduce of n bytes among N workers, per algorithm, in the α-β model.
 
-The formulas are those of paper 003 Sec. 2.5 (T_pipe, T_tree, T_bfly) and paper 002 Sec. 3.4.1 (ring
+The formulas are those of Ben-Nun and Hoefler 2019 Sec. 2.5 (T_pipe, T_tree, T_bfly) and Langer et al. 2020 Sec.
+3.4.1 (ring
 and recursive doubling), with α + n/β for one message of n bytes:
 
 - ring (a pipeline of N segments):     2(N−1)·(α + n/(Nβ)),  each worker sends 2(N−1)·n/N
 - tree (binomial reduce + broadcast):  2⌈log2 N⌉·(α + n/β),  N−1 messages of n per tree
 - recursive-doubling (butterfly):      ⌈log2 N⌉·(α + n/β),   each worker sends n per round
-- hierarchical (paper 004 Sec. 3, Sync Solver): groups of G workers reduce along a binomial tree over
+- hierarchical (Wongpanich et al. 2020 Sec. 3, Sync Solver): groups of G workers reduce along a binomial tree over
   the fast inner link, the ⌈N/G⌉ group leaders ring-all-reduce over the slow link, and each leader
   broadcasts back along the tree: 2⌈log2 G⌉·(α_in + n/β_in) + ring(n, ⌈N/G⌉).
 

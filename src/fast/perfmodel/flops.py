@@ -55,7 +55,7 @@ def trainable_parameter_count(model: nn.Module) -> int:
 def compute_communication_ratio(
     model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32
 ) -> float:
-    """The CC ratio of paper 004 Sec. 4.6: operations to process one sample / number of parameters.
+    """The CC ratio of Wongpanich et al. 2020 Sec. 4.6: operations to process one sample / number of parameters.
 
     The paper counts the operations of one forward pass: ResNet-50's 7.7e9 (its 3.9e9 multiply-adds,
     twice) over 25e6 parameters gives its 308. High ratios favour sync solvers, low ones async.

@@ -1,4 +1,5 @@
-"""The α-β link model: a message of n bytes takes α + n/β seconds (paper 003 Sec. 2.5, paper 002 Sec. 3.4.1).
+"""The α-β link model: a message of n bytes takes α + n/β seconds (Ben-Nun and Hoefler 2019 Sec. 2.5, Langer et al.
+2020 Sec. 3.4.1).
 
 α is the link's latency (seconds per message) and β its bandwidth (bytes per second). A NIC sends one
 message at a time, so k messages from the same worker take k·(α + n/β); links of different workers

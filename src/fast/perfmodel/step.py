@@ -1,4 +1,5 @@
-"""Predicted time and traffic of one training step, per strategy, from the α-β link model.
+"""The pieces a strategy's cost model is made of (`Strategy.cost`): the time and traffic of one training step
+from the α-β link model.
 
 Inputs: the bytes of one model-sized message n (the parameters, or what a codec encodes them into), N
 workers, the link, and the compute time of one step. Every communication cost is per step: amortised
@@ -9,7 +10,7 @@ How computation and communication combine:
 - with a barrier (sync, gossip): step = compute + comm − overlap·min(compute, comm),
   where `overlap` in [0, 1] is the fraction of the shorter of the two hidden behind the other. The
   default 0 hides nothing; 1 gives max(compute, comm). FAST's bucketed `sync` all-reduces during
-  backward, so it hides at most the backward pass (about 2/3 of compute); D-PSGD as in paper 002
+  backward, so it hides at most the backward pass (about 2/3 of compute); D-PSGD as in Langer et al. 2020
   Fig. 15 (send, compute, then await) is overlap = 1. local-sgd and diloco wait for their periodic
   all-reduce: step = compute + all-reduce / H.
 - without a barrier (ssp, ad-psgd, push-sum, async-broadcast): workers compute while their messages
@@ -33,12 +34,11 @@ so N·bytes_per_worker is what FAST's byte accounting measures for the step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fast.errors import ConfigError
-from fast.perfmodel.allreduce import allreduce_cost, check_nbytes, check_workers, group_sizes
+from fast.perfmodel.allreduce import allreduce_cost
 from fast.perfmodel.link import Link
 
 
@@ -53,28 +53,11 @@ class StepCost:
     bytes_per_worker: float
 
 
-_COLLECTIVE_OPTIONS = frozenset({"algorithm", "group_size", "inner_link", "hierarchical"})
-_PEER_OPTIONS = frozenset({"degree", "peers_per_round", "send_probability"})
-
-COST_OPTIONS: dict[str, frozenset[str]] = {
-    "none": frozenset(),
-    "sync": _COLLECTIVE_OPTIONS | {"overlap"},
-    "ssp": _COLLECTIVE_OPTIONS,
-    "async-ps": frozenset({"servers", "push_every", "pull_every"}),
-    "easgd": frozenset({"tau", "variant"}),
-    "eamsgd": frozenset({"tau", "variant"}),
-    "ea-wild": frozenset({"tau", "group_size", "inner_link"}),
-    "local-sgd": _COLLECTIVE_OPTIONS | {"period"},
-    "diloco": _COLLECTIVE_OPTIONS | {"period"},
-    "gossip": _PEER_OPTIONS | {"overlap"},
-    "ad-psgd": _PEER_OPTIONS,
-    "push-sum": _PEER_OPTIONS,
-    "async-broadcast": frozenset(),
-}
-"""The options `step_cost` reads for each strategy; filter a strategy's config options with it."""
+COLLECTIVE_OPTIONS = frozenset({"algorithm", "group_size", "inner_link", "hierarchical"})
+PEER_OPTIONS = frozenset({"degree", "peers_per_round", "send_probability"})
 
 
-def _count(options: dict[str, Any], key: str, default: int | None, low: int, high: float = math.inf) -> int:
+def count(options: dict[str, Any], key: str, default: int | None, low: int, high: float = math.inf) -> int:
     value = options.get(key, default)
     if value is None:
         raise ConfigError(f"step_cost needs the option {key}=<integer >= {low}>")
@@ -84,7 +67,7 @@ def _count(options: dict[str, Any], key: str, default: int | None, low: int, hig
     return value
 
 
-def _fraction(options: dict[str, Any], key: str, default: float, allow_zero: bool) -> float:
+def fraction(options: dict[str, Any], key: str, default: float, allow_zero: bool) -> float:
     value = options.get(key, default)
     is_number = not isinstance(value, bool) and isinstance(value, int | float)
     if not is_number or not (0 <= value <= 1) or (value == 0 and not allow_zero):
@@ -92,16 +75,16 @@ def _fraction(options: dict[str, Any], key: str, default: float, allow_zero: boo
     return float(value)
 
 
-def _with_barrier(compute_s: float, comm_s: float, nbytes: float, options: dict[str, Any]) -> StepCost:
-    hidden = _fraction(options, "overlap", 0.0, allow_zero=True) * min(compute_s, comm_s)
+def with_barrier(compute_s: float, comm_s: float, nbytes: float, options: dict[str, Any]) -> StepCost:
+    hidden = fraction(options, "overlap", 0.0, allow_zero=True) * min(compute_s, comm_s)
     return StepCost(compute_s + comm_s - hidden, compute_s, comm_s, nbytes)
 
 
-def _without_barrier(compute_s: float, comm_s: float, nbytes: float) -> StepCost:
+def without_barrier(compute_s: float, comm_s: float, nbytes: float) -> StepCost:
     return StepCost(max(compute_s, comm_s), compute_s, comm_s, nbytes)
 
 
-def _collective(nbytes: float, workers: int, link: Link, options: dict[str, Any]) -> tuple[float, float]:
+def collective(nbytes: float, workers: int, link: Link, options: dict[str, Any]) -> tuple[float, float]:
     algorithm = options.get("algorithm", "ring")
     group_size = options.get("group_size")
     hierarchical = options.get("hierarchical", 0)
@@ -112,7 +95,7 @@ def _collective(nbytes: float, workers: int, link: Link, options: dict[str, Any]
     return allreduce_cost(nbytes, workers, link, algorithm, group_size, options.get("inner_link"))
 
 
-def _server_exchange_s(
+def server_exchange_s(
     nbytes: float, clients: int, servers: int, link: Link, pushes: float, pulls: float
 ) -> tuple[float, float]:
     """Per step: a client's own exchange (`pushes` + `pulls` messages of n, one after another) and the busier
@@ -122,57 +105,7 @@ def _server_exchange_s(
     return own, busiest
 
 
-def _sync(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    return _with_barrier(compute_s, *_collective(n, workers, link, options), options)
-
-
-def _ssp(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    return _without_barrier(compute_s, *_collective(n, workers, link, options))
-
-
-def _local_sgd(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    period = _count(options, "period", None, low=1)
-    seconds, nbytes = _collective(n, workers, link, options)
-    return StepCost(compute_s + seconds / period, compute_s, seconds / period, nbytes / period)
-
-
-def _async_ps(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    servers = _count(options, "servers", 1, low=1)
-    pushes = 1 / _count(options, "push_every", 1, low=1)
-    pulls = 1 / _count(options, "pull_every", 1, low=1)
-    own, busiest = _server_exchange_s(n, workers, servers, link, pushes, pulls)
-    return StepCost(max(compute_s + own, busiest), compute_s, max(own, busiest), (pushes + pulls) * n)
-
-
-def _easgd(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """async: every tau steps a worker sends its weights to the master and gets the center back, and waits
-    for it. sync: one all-reduce of the replicas every tau steps. The master's update time (the lock that
-    EA-wild removes) is left out."""
-    tau = _count(options, "tau", None, low=1)
-    if options.get("variant", "sync") == "sync":
-        seconds, nbytes = allreduce_cost(n, workers, link)
-        return StepCost(compute_s + seconds / tau, compute_s, seconds / tau, nbytes / tau)
-    own, busiest = _server_exchange_s(n, workers, 1, link, 1 / tau, 1 / tau)
-    return StepCost(max(compute_s + own, busiest), compute_s, max(own, busiest), 2 * n / tau)
-
-
-def _ea_wild(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """Paper 004 Algorithm 1 with worker groups: each group ring-all-reduces every step over the inner
-    link (a barrier inside the group), and its leader exchanges with the master every tau steps while the
-    group computes."""
-    tau = _count(options, "tau", None, low=1)
-    group_size = _count(options, "group_size", 1, low=1, high=workers)
-    inner_link = options.get("inner_link") or link
-    sizes = group_sizes(workers, group_size)
-    in_group_s = allreduce_cost(n, max(sizes), inner_link)[0]
-    in_group_bytes = sum(allreduce_cost(n, size, inner_link)[1] * size for size in sizes)
-    own, busiest = _server_exchange_s(n, len(sizes), 1, link, 1 / tau, 1 / tau)
-    total_bytes = in_group_bytes + len(sizes) * 2 * n / tau
-    step_s = max(compute_s + in_group_s, own, busiest)
-    return StepCost(step_s, compute_s, in_group_s + max(own, busiest), total_bytes / workers)
-
-
-def _peer_messages(workers: int, options: dict[str, Any], default_peers: int | None) -> float:
+def peer_messages(workers: int, options: dict[str, Any], default_peers: int | None) -> float:
     """Expected models a worker sends per step: send_probability × peers_per_round.
 
     peers_per_round defaults to `default_peers`, or to the degree when that is None; the degree (the
@@ -180,66 +113,13 @@ def _peer_messages(workers: int, options: dict[str, Any], default_peers: int | N
     """
     if workers == 1:
         return 0.0  # no peers to talk to
-    degree = _count(options, "degree", None if default_peers is None else workers - 1, low=1, high=workers - 1)
-    peers = _count(options, "peers_per_round", default_peers or degree, low=1, high=degree)
-    return _fraction(options, "send_probability", 1.0, allow_zero=False) * peers
+    degree = count(options, "degree", None if default_peers is None else workers - 1, low=1, high=workers - 1)
+    peers = count(options, "peers_per_round", default_peers or degree, low=1, high=degree)
+    return fraction(options, "send_probability", 1.0, allow_zero=False) * peers
 
 
-def _gossip(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """D-PSGD: the model goes to every neighbour (or peers_per_round of them) each step."""
-    messages = _peer_messages(workers, options, default_peers=None)
-    return _with_barrier(compute_s, messages * link.message_time(n), messages * n, options)
-
-
-def _ad_psgd(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """Pairwise averaging with a random neighbour: each exchange is two models, one each way. A worker
-    initiates one exchange per step and, on average, answers one, so its NIC sends two models."""
-    messages = 2 * _peer_messages(workers, options, default_peers=1)
-    return _without_barrier(compute_s, messages * link.message_time(n), messages * n)
-
-
-def _push_sum(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """GoSGD / push-sum: with probability p, send the model (and its weight) to a random peer."""
-    messages = _peer_messages(workers, options, default_peers=1)
-    return _without_barrier(compute_s, messages * link.message_time(n), messages * n)
-
-
-def _async_broadcast(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """Statement 1 of paper 000: every update goes to the N−1 other workers, one NIC, N−1 messages."""
-    return _without_barrier(compute_s, (workers - 1) * link.message_time(n), (workers - 1) * n)
-
-
-def _no_communication(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    return StepCost(compute_s, compute_s, 0.0, 0.0)
-
-
-_COST_OF: dict[str, Callable[[float, int, Link, float, dict[str, Any]], StepCost]] = {
-    "none": _no_communication,
-    "sync": _sync,
-    "ssp": _ssp,
-    "async-ps": _async_ps,
-    "easgd": _easgd,
-    "eamsgd": _easgd,
-    "ea-wild": _ea_wild,
-    "local-sgd": _local_sgd,
-    "diloco": _local_sgd,
-    "gossip": _gossip,
-    "ad-psgd": _ad_psgd,
-    "push-sum": _push_sum,
-    "async-broadcast": _async_broadcast,
-}
-
-
-def step_cost(strategy: str, *, nbytes: float, workers: int, link: Link, compute_s: float, **options: Any) -> StepCost:
-    """The predicted StepCost of `strategy`; `options` are those in COST_OPTIONS[strategy]."""
-    if strategy not in _COST_OF:
-        raise ConfigError(f"no cost model for strategy {strategy!r}: choose one of {', '.join(_COST_OF)}")
-    check_nbytes(nbytes)
-    check_workers(workers)
-    if not math.isfinite(compute_s) or compute_s < 0:
-        raise ConfigError(f"compute_s = {compute_s!r} must be finite and >= 0 (seconds of one step's compute)")
-    unknown = sorted(set(options) - COST_OPTIONS[strategy])
-    if unknown:
-        allowed = ", ".join(sorted(COST_OPTIONS[strategy])) or "none"
-        raise ConfigError(f"option(s) {', '.join(unknown)} do not apply to {strategy!r}: its options are {allowed}")
-    return _COST_OF[strategy](nbytes, workers, link, compute_s, options)
+def periodic(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+    """An all-reduce every `period` steps, waited for (local SGD, DiLoCo): compute + all-reduce / period."""
+    period = count(options, "period", None, low=1)
+    seconds, nbytes = collective(n, workers, link, options)
+    return StepCost(compute_s + seconds / period, compute_s, seconds / period, nbytes / period)

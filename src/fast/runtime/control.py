@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fast.comm import Comm
+from fast.comm import Comm, tags
 from fast.errors import CommError, FastError
 
-AGREE_TAG = 7_002  # apart from every strategy's tags (and the end of run's)
+AGREE_TAG = tags.AGREE
 STOP, EVALUATE, BATCH = 1, 2, 3
 KINDS = {STOP: "the periodic check on the end of training", EVALUATE: "job.evaluate", BATCH: "the next batch"}
 

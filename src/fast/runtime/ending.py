@@ -18,24 +18,24 @@ import platform
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 import fast
-from fast import checkpoint
-from fast.deployment import describe as describe_deployment
-from fast.deployment import emulated, record_of
-from fast.errors import CommError, ConfigError
-from fast.runtime.evaluation import check_targets, metrics_of, record_evaluation
+from fast.comm import tags
+from fast.emulation.deployment import describe as describe_deployment
+from fast.emulation.deployment import emulated, record_of
+from fast.errors import CommError, ConfigError, UsageError
+from fast.runtime import checkpoints as checkpoint
+from fast.runtime.evaluation import metrics_of
+from fast.strategies.base import pick_replica
 from fast.targets import best
 
-if TYPE_CHECKING:
-    from fast.runtime.job import Job
-
-END_TAG = 7_001  # apart from every strategy's tags
+END_TAG = tags.END_OF_RUN
 
 
 def environment() -> dict[str, Any]:
@@ -56,70 +56,6 @@ def environment() -> dict[str, Any]:
 
 
 # -- the run's end, collective or through worker 0 ---------------------------------------------------------------
-def finish_worker(job: Job) -> dict[str, Any] | None:
-    if job.lockstep and job.workers > 1:
-        job._join()
-    if job._recorded_at != job.step and job.step > 0:
-        job._record()  # the last steps' losses
-    # training time ends at the last step: the end of the run may wait for other workers (an asynchronous peer
-    # still training, worker 0 still evaluating), which is not this worker's training
-    job.trained_s = job.clock.now()
-    job.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
-    job.strategy.end_of_run()
-    job.records.close()
-    if job.strategy.survives_failures:
-        return gather_from_survivors(job)
-    model = None
-    if job._eval_fn is not None:
-        from fast.runtime.evaluation import evaluate
-
-        evaluate(job, job._eval_fn, final=True)
-        model = job.final_model
-    else:
-        with job.driver.evaluation():
-            model = job.strategy.final_model()
-    return gather_and_write(job, model)
-
-
-def finish_server(job: Job) -> None:
-    if job.strategy.survives_failures:
-        gather_from_survivors(job)
-    else:
-        gather_and_write(job, None)
-
-
-def own_figures(job: Job) -> dict[str, Any]:
-    """What this process contributes to the summary."""
-    own: dict[str, Any] = {
-        "rank": job.rank,
-        "server": job.is_server,
-        "records": job.records.records,
-        "staleness": job.strategy.staleness,
-        "counter": job.world.counter.snapshot(),
-        "strategy": job.strategy.summary(),
-        "steps": 0 if job.is_server else job.step,
-        "skipped_steps": job.skipped_steps,
-        "time_s": job.trained_s if job.is_worker else 0.0,  # the clock at its last step
-        "compute_s": job.machine.compute_s,
-    }
-    if emulated(job.config):
-        own["deployment"] = record_of(job.machine, job.world)
-    if job.is_worker and job.strategy.decentralised and job._eval_fn is not None:
-        with job.driver.evaluation():
-            own["own_metrics"] = metrics_of(job._eval_fn, job.model)
-    return own
-
-
-def gather_and_write(job: Job, model: nn.Module | None) -> dict[str, Any] | None:
-    """Collective over all processes: worker 0 writes metrics.jsonl, summary.json and model.pt."""
-    own = own_figures(job)
-    payload = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
-    with job.world.unmetered():
-        parts = job.world.all_gather_bytes(payload.to(job.world.device))
-    if not job.is_main:
-        return None
-    everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
-    return write_outputs(job.run_dir, everyone, model, summarize(job, everyone))
 
 
 def _pack(value: Any) -> torch.Tensor:
@@ -132,100 +68,12 @@ def _unpack(payload: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
-def gather_from_survivors(job: Job) -> dict[str, Any] | None:
-    """Every live process: hand the run's end to worker 0 (which returns the summary; the others None)."""
-    world, strategy = job.world, job.strategy
-    figures = {**own_figures(job), "failures": strategy.failures}
-    replica = None if job.is_server else {k: v.detach().cpu() for k, v in job.model.state_dict().items()}
-    if not job.is_main:
-        with world.unmetered():
-            world.send_bytes(_pack(json.dumps(figures)), 0, tag=END_TAG)
-            world.send_bytes(_pack(replica), 0, tag=END_TAG)
-            # worker 0 may first wait on every other process, then evaluate and write: a longer deadline
-            patient = copy.copy(world)
-            patient.deadline_s = world.deadline_s * (world.size + 2)
-            patient.recv(torch.zeros(1), 0, tag=END_TAG)
-        return None
-    everyone, replicas = [figures], [replica]
-    with world.unmetered():
-        for rank in range(1, world.size):
-            if rank in strategy.dead:
-                continue
-            try:
-                everyone.append(json.loads(_unpack(world.recv_bytes(rank, tag=END_TAG)[1])))
-                theirs = _unpack(world.recv_bytes(rank, tag=END_TAG)[1])
-            except CommError as e:
-                strategy.lost(rank, job.step, f"end of run: {e}")
-                continue
-            if theirs is not None:
-                replicas.append(theirs)
-    model = final_from_replicas(job, replicas)
-    final_evaluation(job, model, replicas)
-    summary = summarize(job, everyone)
-    start = time.time() - job.clock.now()
-    summary["failures"] = [
-        {**failure, "time_s": round(failure["unix_time"] - start, 3)}
-        for failure in first_notices([f for p in everyone for f in p["failures"]] + strategy.failures)
-    ]
-    summary = write_outputs(job.run_dir, everyone, model, summary)
-    with world.unmetered():
-        for p in everyone[1:]:
-            try:
-                world.send(torch.ones(1), p["rank"], tag=END_TAG)
-            except CommError:
-                pass  # it died after handing in its part: nothing left to tell it
-    return summary
-
-
 def first_notices(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per dead process: the first time anyone noticed it."""
     first: dict[int, dict[str, Any]] = {}
     for failure in sorted(failures, key=lambda f: f["unix_time"]):
         first.setdefault(failure["worker"], failure)
     return sorted(first.values(), key=lambda f: f["unix_time"])
-
-
-def final_from_replicas(job: Job, replicas: list[dict[str, torch.Tensor]]) -> nn.Module:
-    """The reported model from the survivors' replicas (worker 0's first), as `final_model` says: the average;
-    the replica of worker K (the average if K is gone); the best by the validation score. A strategy whose
-    replicas agree (not decentralised) only has its floating buffers (batch norm) averaged."""
-    strategy = job.strategy
-    model = copy.deepcopy(job.model)
-    choice = strategy.options.final_model if strategy.decentralised else "buffers"
-    ranks = [0] + [r for r in range(1, job.workers) if r not in strategy.dead]
-    if choice.startswith("worker:") and int(choice[7:]) % job.workers not in ranks:
-        choice = "average"
-    if choice.startswith("worker:"):
-        model.load_state_dict(replicas[ranks.index(int(choice[7:]) % job.workers)])
-    elif choice == "best":
-        scores = []
-        for replica in replicas:
-            model.load_state_dict(replica)
-            scores.append(strategy.score(model))
-        model.load_state_dict(replicas[max(range(len(scores)), key=scores.__getitem__)])
-    else:
-        averaged = {name for name, _ in model.named_buffers()} if choice == "buffers" else None
-        with torch.no_grad():
-            for name, tensor in model.state_dict().items():
-                if tensor.is_floating_point() and (averaged is None or name in averaged):
-                    tensor.copy_(torch.stack([r[name] for r in replicas]).mean(0).to(tensor.device))
-    return model
-
-
-def final_evaluation(job: Job, model: nn.Module, replicas: list[dict[str, torch.Tensor]]) -> None:
-    """Worker 0 evaluates the final model and records it as the run's last evaluation (survivors' end)."""
-    if job._eval_fn is None:
-        return
-    with job.clock.pause(), job.driver.evaluation():
-        metrics = metrics_of(job._eval_fn, model)
-    check_targets(job, metrics)
-    divergence = None
-    if job.strategy.decentralised:
-        names = [name for name, _ in job.model.named_parameters()]
-        flats = torch.stack([torch.cat([r[name].reshape(-1).float() for name in names]) for r in replicas])
-        mean = flats.mean(0)
-        divergence = float(((flats - mean).norm(dim=1) / mean.norm().clamp_min(1e-12)).mean())
-    record_evaluation(job, metrics, divergence)
 
 
 # -- the outputs -----------------------------------------------------------------------------------------------------
@@ -245,89 +93,278 @@ def write_outputs(
     return summary
 
 
-def _predicted_step_time(job: Job, compute_s: float | None) -> float | None:
-    """The cost model's step time for this run (fast.predict) from the compute time the run measured, to set
-    beside the measured step time; None when the strategy has no cost model."""
-    from fast.predict import predicted_step_time
+class Ending:
+    """The end of the job's run (a part of fast.runtime.job.Job)."""
 
-    if compute_s is None or job.model is None:
-        return None
-    try:
-        return predicted_step_time(job.config, model=job.model, compute_s=compute_s)
-    except ConfigError:
-        return None
+    def finish(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
+        """End the run: wait for (or join) the other workers, the strategy's last exchanges, the final model by
+        `final_model`, its evaluation (with `eval_fn`, else the last one job.evaluate had), and the outputs:
+        metrics.jsonl, model.pt, summary.json. Returns the summary on worker 0, None on the others."""
+        if self.finished:
+            raise UsageError("job.finish() was already called")
+        if self.model is None:
+            raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
+        self._eval_fn = eval_fn or self._eval_fn
+        try:
+            summary = self._finish_worker()
+        finally:
+            self._close()
+        return summary
 
+    def _join(self) -> None:
+        """Workers in step end together: one that has run out of steps while the others go on takes part in their
+        exchanges with no data (as DDP's Join) until the periodic check finds every worker done."""
+        joined_at = self.step
+        self._settle(finishing=True)
+        if self.stopped and self._checked_at != self.step:  # the plan ended here for all (a run resumed at its end)
+            self._agree(done=True)
+        while self._ended_at != self.step:
+            if self._check_due(self.step) and self._checked_at != self.step:
+                self._agree(done=True)
+                continue
+            self.driver.null_step()
+        if self.step > joined_at:
+            self.context.log(
+                f"fast: worker {self.rank} ran out of steps at step {joined_at} while others went on: it took part in "
+                f"their exchanges without data until step {self.step}, where they all ended"
+            )
 
-def summarize(job: Job, everyone: list[dict[str, Any]]) -> dict[str, Any]:
-    config, run = job.config, job.config.run
-    trainers = [p for p in everyone if not p["server"]]
-    evals = job.records.evals
-    final = evals[-1] if evals else {}
-    wall = max(p["time_s"] for p in trainers)
-    computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
-    # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
-    compute_s = max(computes) if computes else None
-    steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
-    samples = sum(p["steps"] for p in trainers) * job.batch_size
-    sent = sum(p["counter"]["bytes_sent"] for p in everyone)
-    uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
-    staleness = [s for p in everyone for s in p["staleness"]]
-    targets = run.parsed_targets
-    time_to: dict[str, float | None] = {}
-    for target in targets:
-        key = f"test_{target.metric}"
-        time_to[target.label] = next((e["time_s"] for e in evals if target.reached(e.get(key))), None)
-    metric_names = sorted({k.removeprefix("test_") for e in evals for k in e if k.startswith("test_")})
-    decentralised = job.strategy.decentralised
-    summary: dict[str, Any] = {
-        "name": run.name,
-        "strategy": config.strategy.name,
-        "codec": config.codec.name,
-        "workers": run.workers,
-        "servers": len(everyone) - len(trainers),
-        "epochs": job.planned_epochs if job.planned_epochs is not None else run.epochs,
-        "steps_per_worker": steps,
-        "steps_per_epoch": job.steps_per_epoch,
-        "batch_size": job.batch_size,
-        "final_model": job.strategy.options.final_model if decentralised else "replica",
-        "final_test_accuracy": final.get("test_accuracy"),
-        "final_test_loss": final.get("test_loss"),
-        "best_test_accuracy": best("accuracy", [e["test_accuracy"] for e in evals if "test_accuracy" in e]),
-        "wall_time_s": wall,
-        "samples_per_s": samples / wall if wall > 0 else None,
-        "step_time_s": wall / steps if steps else None,
-        "bytes_sent": sent,
-        "bytes_received": sum(p["counter"]["bytes_received"] for p in everyone),
-        "bytes_sent_uncompressed": uncompressed,
-        "compression_ratio": uncompressed / sent if sent else None,
-        "targets": [t.label for t in targets],
-        "time_to_target_s": time_to,
-        "time_to_accuracy_s": {
-            f"{t.value:g}": time_to[t.label] for t in targets if t.metric == "accuracy" and t.op == ">="
-        },
-        "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
-        "max_staleness": max(staleness) if staleness else None,
-        "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
-        "skipped_steps": sum(p["skipped_steps"] for p in everyone),
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
-        "replica_divergence": final.get("divergence"),
-        "worker_test_accuracy": (
-            [(p.get("own_metrics") or {}).get("accuracy") for p in trainers] if decentralised else None
-        ),
-        "evaluations": evals,
-        "config": config.to_dict(),
-        "env": environment(),
-        "step_compute_s": compute_s,
-        "predicted_step_time_s": _predicted_step_time(job, compute_s),
-    }
-    for name in metric_names:
-        if name not in ("accuracy", "loss"):
-            summary[f"final_test_{name}"] = final.get(f"test_{name}")
-            summary[f"best_test_{name}"] = best(name, [e[f"test_{name}"] for e in evals if f"test_{name}" in e])
-    if emulated(config):
-        summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
-    for p in everyone:  # strategy figures (a server's included); worker 0's come last and win
-        if p["rank"]:
-            summary.update(p["strategy"])
-    summary.update(everyone[0]["strategy"])
-    return summary
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        if error is None and not self.finished and self.model is not None:
+            self.finish()
+
+    def _finish_worker(self) -> dict[str, Any] | None:
+        if self.lockstep and self.workers > 1:
+            self._join()
+        if self._recorded_at != self.step and self.step > 0:
+            self._record()  # the last steps' losses
+        # training time ends at the last step: the end of the run may wait for other workers (an asynchronous peer
+        # still training, worker 0 still evaluating), which is not this worker's training
+        self.trained_s = self.clock.now()
+        self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
+        self.strategy.end_of_run()
+        self.records.close()
+        if self.strategy.survives_failures:
+            return self._gather_from_survivors()
+        model = None
+        if self._eval_fn is not None:
+            self._evaluate(self._eval_fn, final=True)
+            model = self.final_model
+        else:
+            with self.driver.evaluation():
+                model = self.strategy.final_model()
+        return self._gather_and_write(model)
+
+    def _finish_server(self) -> None:
+        if self.strategy.survives_failures:
+            self._gather_from_survivors()
+        else:
+            self._gather_and_write(None)
+
+    def _own_figures(self) -> dict[str, Any]:
+        """What this process contributes to the summary."""
+        own: dict[str, Any] = {
+            "rank": self.rank,
+            "server": self.is_server,
+            "records": self.records.records,
+            "staleness": self.strategy.staleness,
+            "counter": self.world.counter.snapshot(),
+            "strategy": self.strategy.summary(),
+            "steps": 0 if self.is_server else self.step,
+            "skipped_steps": self.skipped_steps,
+            "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
+            "compute_s": self.machine.compute_s,
+        }
+        if emulated(self.config):
+            own["deployment"] = record_of(self.machine, self.world)
+        if self.is_worker and self.strategy.replicas_differ and self._eval_fn is not None:
+            with self.driver.evaluation():
+                own["own_metrics"] = metrics_of(self._eval_fn, self.model)
+        return own
+
+    def _gather_and_write(self, model: nn.Module | None) -> dict[str, Any] | None:
+        """Collective over all processes: worker 0 writes metrics.jsonl, summary.json and model.pt."""
+        own = self._own_figures()
+        payload = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
+        with self.world.unmetered():
+            parts = self.world.all_gather_bytes(payload.to(self.world.device))
+        if not self.is_main:
+            return None
+        everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
+        return write_outputs(self.run_dir, everyone, model, self._summarize(everyone))
+
+    def _gather_from_survivors(self) -> dict[str, Any] | None:
+        """Every live process: hand the run's end to worker 0 (which returns the summary; the others None)."""
+        world, strategy = self.world, self.strategy
+        figures = {**self._own_figures(), "failures": strategy.failures}
+        replica = None if self.is_server else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if not self.is_main:
+            with world.unmetered():
+                world.send_bytes(_pack(json.dumps(figures)), 0, tag=END_TAG)
+                world.send_bytes(_pack(replica), 0, tag=END_TAG)
+                # worker 0 may first wait on every other process, then evaluate and write: a longer deadline
+                patient = copy.copy(world)
+                patient.deadline_s = world.deadline_s * (world.size + 2)
+                patient.recv(torch.zeros(1), 0, tag=END_TAG)
+            return None
+        everyone, replicas = [figures], [replica]
+        with world.unmetered():
+            for rank in range(1, world.size):
+                if rank in strategy.dead:
+                    continue
+                try:
+                    everyone.append(json.loads(_unpack(world.recv_bytes(rank, tag=END_TAG)[1])))
+                    theirs = _unpack(world.recv_bytes(rank, tag=END_TAG)[1])
+                except CommError as e:
+                    strategy.lost(rank, self.step, f"end of run: {e}")
+                    continue
+                if theirs is not None:
+                    replicas.append(theirs)
+        model = self._final_from_replicas(replicas)
+        self._final_evaluation(model, replicas)
+        summary = self._summarize(everyone)
+        start = time.time() - self.clock.now()
+        summary["failures"] = [
+            {**failure, "time_s": round(failure["unix_time"] - start, 3)}
+            for failure in first_notices([f for p in everyone for f in p["failures"]] + strategy.failures)
+        ]
+        summary = write_outputs(self.run_dir, everyone, model, summary)
+        with world.unmetered():
+            for p in everyone[1:]:
+                try:
+                    world.send(torch.ones(1), p["rank"], tag=END_TAG)
+                except CommError:
+                    pass  # it died after handing in its part: nothing left to tell it
+        return summary
+
+    def _final_from_replicas(self, replicas: list[dict[str, torch.Tensor]]) -> nn.Module:
+        """The reported model from the survivors' replicas (worker 0's first), as `final_model` says: the average;
+        the replica of worker K (the average if K is gone); the best by the validation score. A strategy whose
+        replicas agree only has its floating buffers (batch norm) averaged."""
+        strategy = self.strategy
+        model = copy.deepcopy(self.model)
+        ranks = [0] + [r for r in range(1, self.workers) if r not in strategy.dead]
+
+        def scores() -> list[float]:
+            found = []
+            for replica in replicas:
+                model.load_state_dict(replica)
+                found.append(strategy.score(model))
+            return found
+
+        chosen = None
+        if strategy.replicas_differ:
+            chosen = pick_replica(strategy.options.final_model, ranks, self.workers, scores)
+        if chosen is not None:
+            model.load_state_dict(replicas[ranks.index(chosen)])
+        else:  # the average (of the floating buffers only, batch norm's, where the replicas agree)
+            averaged = None if strategy.replicas_differ else {name for name, _ in model.named_buffers()}
+            with torch.no_grad():
+                for name, tensor in model.state_dict().items():
+                    if tensor.is_floating_point() and (averaged is None or name in averaged):
+                        tensor.copy_(torch.stack([r[name] for r in replicas]).mean(0).to(tensor.device))
+        return model
+
+    def _final_evaluation(self, model: nn.Module, replicas: list[dict[str, torch.Tensor]]) -> None:
+        """Worker 0 evaluates the final model and records it as the run's last evaluation (survivors' end)."""
+        if self._eval_fn is None:
+            return
+        with self.clock.pause(), self.driver.evaluation():
+            metrics = metrics_of(self._eval_fn, model)
+        self._check_targets(metrics)
+        divergence = None
+        if self.strategy.replicas_differ:
+            names = [name for name, _ in self.model.named_parameters()]
+            flats = torch.stack([torch.cat([r[name].reshape(-1).float() for name in names]) for r in replicas])
+            mean = flats.mean(0)
+            divergence = float(((flats - mean).norm(dim=1) / mean.norm().clamp_min(1e-12)).mean())
+        self._record_evaluation(metrics, divergence)
+
+    def _predicted_step_time(self, compute_s: float | None) -> float | None:
+        """The cost model's step time for this run (fast.tools.predict) from the compute time the run measured, to set
+        beside the measured step time; None when the strategy has no cost model."""
+        from fast.pricing import predicted_step_time
+
+        if compute_s is None or self.model is None:
+            return None
+        try:
+            return predicted_step_time(self.config, model=self.model, compute_s=compute_s)
+        except ConfigError:
+            return None
+
+    def _summarize(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
+        config, run = self.config, self.config.run
+        trainers = [p for p in everyone if not p["server"]]
+        evals = self.records.evals
+        final = evals[-1] if evals else {}
+        wall = max(p["time_s"] for p in trainers)
+        computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
+        # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
+        compute_s = max(computes) if computes else None
+        steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
+        samples = sum(p["steps"] for p in trainers) * self.batch_size
+        sent = sum(p["counter"]["bytes_sent"] for p in everyone)
+        uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
+        staleness = [s for p in everyone for s in p["staleness"]]
+        targets = run.parsed_targets
+        time_to: dict[str, float | None] = {}
+        for target in targets:
+            key = f"test_{target.metric}"
+            time_to[target.label] = next((e["time_s"] for e in evals if target.reached(e.get(key))), None)
+        metric_names = sorted({k.removeprefix("test_") for e in evals for k in e if k.startswith("test_")})
+        differ = self.strategy.replicas_differ
+        summary: dict[str, Any] = {
+            "name": run.name,
+            "strategy": config.strategy.name,
+            "codec": config.codec.name,
+            "workers": run.workers,
+            "servers": len(everyone) - len(trainers),
+            "epochs": self.planned_epochs if self.planned_epochs is not None else run.epochs,
+            "steps_per_worker": steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "batch_size": self.batch_size,
+            "final_model": self.strategy.options.final_model if differ else "replica",
+            "final_test_accuracy": final.get("test_accuracy"),
+            "final_test_loss": final.get("test_loss"),
+            "best_test_accuracy": best("accuracy", [e["test_accuracy"] for e in evals if "test_accuracy" in e]),
+            "wall_time_s": wall,
+            "samples_per_s": samples / wall if wall > 0 else None,
+            "step_time_s": wall / steps if steps else None,
+            "bytes_sent": sent,
+            "bytes_received": sum(p["counter"]["bytes_received"] for p in everyone),
+            "bytes_sent_uncompressed": uncompressed,
+            "compression_ratio": uncompressed / sent if sent else None,
+            "targets": [t.label for t in targets],
+            "time_to_target_s": time_to,
+            "time_to_accuracy_s": {
+                f"{t.value:g}": time_to[t.label] for t in targets if t.metric == "accuracy" and t.op == ">="
+            },
+            "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
+            "max_staleness": max(staleness) if staleness else None,
+            "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
+            "skipped_steps": sum(p["skipped_steps"] for p in everyone),
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
+            "replica_divergence": final.get("divergence"),
+            "worker_test_accuracy": (
+                [(p.get("own_metrics") or {}).get("accuracy") for p in trainers] if differ else None
+            ),
+            "evaluations": evals,
+            "config": config.to_dict(),
+            "env": environment(),
+            "step_compute_s": compute_s,
+            "predicted_step_time_s": self._predicted_step_time(compute_s),
+        }
+        for name in metric_names:
+            if name not in ("accuracy", "loss"):
+                summary[f"final_test_{name}"] = final.get(f"test_{name}")
+                summary[f"best_test_{name}"] = best(name, [e[f"test_{name}"] for e in evals if f"test_{name}" in e])
+        if emulated(config):
+            summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
+        for p in everyone:  # strategy figures (a server's included); worker 0's come last and win
+            if p["rank"]:
+                summary.update(p["strategy"])
+        summary.update(everyone[0]["strategy"])
+        return summary

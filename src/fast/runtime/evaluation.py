@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from fast.comm import Comm
-from fast.errors import ConfigError
+from fast.errors import ConfigError, UsageError
 from fast.runtime import control
-
-if TYPE_CHECKING:
-    from fast.runtime.job import Job
 
 EvalFn = Callable[[nn.Module], dict[str, float]]
 
@@ -57,73 +54,68 @@ def metrics_of(fn: EvalFn, model: nn.Module) -> dict[str, float]:
     return metrics
 
 
-def check_targets(job: Job, metrics: dict[str, float]) -> None:
-    if job._checked_targets:
-        return
-    for target in job.config.run.parsed_targets:
-        if target.metric not in metrics:
-            raise ConfigError(
-                f"`run.targets` names {target.label!r}, but the evaluation returns {', '.join(sorted(metrics))}: "
-                "fix run.targets or make the eval function return that metric"
-            )
-    job._checked_targets = True
+class Evaluating:
+    """The job's evaluations (a part of fast.runtime.job.Job)."""
 
+    def evaluate(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, float]:
+        """Named metrics of the run's reported model (`final_model`), computed by `eval_fn(model)` on worker 0 and
+        recorded; returned on worker 0, and on every worker when the strategy evaluates collectively (under
+        the asynchronous strategies the others go on at once and get {})."""
+        fn = eval_fn or self._eval_fn
+        if fn is None:
+            raise UsageError("job.evaluate() needs an eval function the first time: job.evaluate(fn), fn(model) -> {}")
+        self._eval_fn = fn
+        return self._evaluate(fn, final=False)
 
-def evaluate(job: Job, fn: EvalFn, final: bool) -> dict[str, float]:
-    """Evaluate, record (worker 0) and return the metrics; `final` is the end of the run's evaluation."""
-    strategy = job.strategy
-    collective = final or (strategy.collective_eval and not strategy.survives_failures)
-    if not collective and not job.is_main:
-        return {}
-    if collective and not final and job.workers > 1:  # a collective must find every worker here, at this step
-        job.control.round(control.EVALUATE, job.step, [], strategy.dead, job._lost)
-    divergence = None
-    with job.clock.pause(), job.driver.evaluation():
-        if collective:
-            model = strategy.final_model() if final else strategy.eval_model()
-            metrics = metrics_of(fn, model) if job.is_main else {}
-            if job.is_main:
-                check_targets(job, metrics)
-            metrics = broadcast_json(job.comm, metrics, job.comm.ranks[0]) if job.workers > 1 else metrics
-            if strategy.decentralised:
-                divergence = strategy.divergence()
-        else:  # worker 0 alone, while the others train on: its own replica, or the strategy's view
-            model = strategy.model if strategy.collective_eval else strategy.eval_model()
-            metrics = metrics_of(fn, model)
-            check_targets(job, metrics)
-    job.final_model = model
-    record_evaluation(job, metrics, divergence)
-    return metrics
+    def model_for_eval(self) -> nn.Module:
+        """The model the run reports now (collective for strategies whose replicas differ)."""
+        return self.strategy.eval_model()
 
+    def _check_targets(self, metrics: dict[str, float]) -> None:
+        if self._checked_targets:
+            return
+        for target in self.config.run.parsed_targets:
+            if target.metric not in metrics:
+                raise ConfigError(
+                    f"`run.targets` names {target.label!r}, but the evaluation returns {', '.join(sorted(metrics))}: "
+                    "fix run.targets or make the eval function return that metric"
+                )
+        self._checked_targets = True
 
-def record_evaluation(job: Job, metrics: dict[str, float], divergence: float | None) -> None:
-    """Worker 0 records an evaluation of the reported model: in the summary's `evaluations` and metrics.jsonl."""
-    if not job.is_main:
-        return
-    result: dict[str, Any] = {"step": job.step, "time_s": round(job.clock.now(), 4)}
-    result.update({f"test_{name}": value for name, value in metrics.items()})
-    if divergence is not None:
-        result["divergence"] = divergence
-    job.records.add_evaluation(result)
-    extra = {k: v for k, v in result.items() if k not in ("step", "time_s")}
-    job._record(kind="eval", **extra)
+    def _evaluate(self, fn: EvalFn, final: bool) -> dict[str, float]:
+        """Evaluate, record (worker 0) and return the metrics; `final` is the end of the run's evaluation."""
+        strategy = self.strategy
+        collective = final or (strategy.collective_eval and not strategy.survives_failures)
+        if not collective and not self.is_main:
+            return {}
+        if collective and not final and self.workers > 1:  # a collective must find every worker here, at this step
+            self.control.round(control.EVALUATE, self.step, [], strategy.dead, self._lost)
+        divergence = None
+        with self.clock.pause(), self.driver.evaluation():
+            if collective:
+                model = strategy.final_model() if final else strategy.eval_model()
+                metrics = metrics_of(fn, model) if self.is_main else {}
+                if self.is_main:
+                    self._check_targets(metrics)
+                metrics = broadcast_json(self.comm, metrics, self.comm.ranks[0]) if self.workers > 1 else metrics
+                if strategy.replicas_differ:
+                    divergence = strategy.divergence()
+            else:  # worker 0 alone, while the others train on: its own replica, or the strategy's view
+                model = strategy.model if strategy.collective_eval else strategy.eval_model()
+                metrics = metrics_of(fn, model)
+                self._check_targets(metrics)
+        self.final_model = model
+        self._record_evaluation(metrics, divergence)
+        return metrics
 
-
-def classification_metrics(dataset: Any, device: torch.device, batch_size: int = 1000) -> EvalFn:
-    """The built-in evaluation: accuracy and mean cross-entropy of a classifier on `dataset` (x, y pairs)."""
-    from fast.evaluate import evaluate as evaluate_tensors
-
-    tensors = getattr(dataset, "tensors", None)
-
-    def metrics(model: nn.Module) -> dict[str, float]:
-        if tensors is not None:
-            correct, loss, n = evaluate_tensors(model, tensors[0], tensors[1], device, batch_size)
-        else:
-            correct = loss = n = 0.0
-            loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
-            for x, y in loader:
-                c, s, k = evaluate_tensors(model, x, y, device, batch_size)
-                correct, loss, n = correct + c, loss + s, n + k
-        return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
-
-    return metrics
+    def _record_evaluation(self, metrics: dict[str, float], divergence: float | None) -> None:
+        """Worker 0 records an evaluation of the reported model: in the summary's `evaluations` and metrics.jsonl."""
+        if not self.is_main:
+            return
+        result: dict[str, Any] = {"step": self.step, "time_s": round(self.clock.now(), 4)}
+        result.update({f"test_{name}": value for name, value in metrics.items()})
+        if divergence is not None:
+            result["divergence"] = divergence
+        self.records.add_evaluation(result)
+        extra = {k: v for k, v in result.items() if k not in ("step", "time_s")}
+        self._record(kind="eval", **extra)

@@ -30,24 +30,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from fast import checkpoint, engine
-from fast.comm import Comm
-from fast.config import Config, load_config
-from fast.deployment import machine_for, network_for, world_size
+from fast.assemble import load_config, world_size
+from fast.comm import Comm, tags
+from fast.comm import bootstrap as engine
+from fast.config import Config
+from fast.emulation.deployment import comm_maker, machine_for, network_for
 from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
-from fast.launch import name_process
 from fast.optim import build_schedule
 from fast.runtime import control
+from fast.runtime.checkpoints import Checkpointing
 from fast.runtime.clock import Clock
 from fast.runtime.control import Control
+from fast.runtime.ending import Ending
+from fast.runtime.evaluation import Evaluating
+from fast.runtime.launch import name_process
 from fast.runtime.loader import ShardedLoader
 from fast.runtime.records import Records
 from fast.runtime.steps import StepDriver
-from fast.strategies import Strategy, StrategyContext, build_strategy, strategy_class
+from fast.strategies import Strategy, StrategyContext, build_strategy
 from fast.strategies.base import ModelLayout
 
-LAYOUT_TAG = 7_003  # worker 0 tells each server the model's layout (apart from every strategy's tags)
+LAYOUT_TAG = tags.LAYOUT
 _current: Job | None = None
 
 
@@ -137,7 +141,7 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool) -> None:
     (run_dir / "config.toml").write_text(config.to_toml())
 
 
-class Job:
+class Job(Evaluating, Checkpointing, Ending):
     """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
 
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
@@ -171,13 +175,12 @@ class Job:
             int(os.environ["MASTER_PORT"]),
             self.device,
             run.deadline_s,
-            network_for(config, self.world_size, self.rank),
+            comm_maker(network_for(config, self.world_size, self.rank)),
         )
         partition = [list(range(self.workers))]
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
-        self.strategy_class = strategy_class(strategy_name)
         self.records = Records(run_dir, self.rank, run.tensorboard)
         self.machine = machine_for(config, self.rank, self.records.file)  # emulated slowdown, stragglers, crash
         self.context = StrategyContext(
@@ -451,104 +454,18 @@ class Job:
         record.update(extra)
         self.records.add(record)
 
-    # -- evaluation ---------------------------------------------------------------------------------------------------
-    def evaluate(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, float]:
-        """Named metrics of the run's reported model (`final_model`), computed by `eval_fn(model)` on worker 0 and
-        recorded; returned on worker 0, and on every worker when the strategy evaluates collectively (under
-        the asynchronous strategies the others go on at once and get {})."""
-        from fast.runtime.evaluation import evaluate
+    # -- the process's end -------------------------------------------------------------------------------------------
+    def _close(self) -> None:
+        global _current
+        self.finished = True
+        self.driver.detach()
+        self.records.close()
+        engine.stop()
+        if _current is self:
+            _current = None
 
-        fn = eval_fn or self._eval_fn
-        if fn is None:
-            raise UsageError("job.evaluate() needs an eval function the first time: job.evaluate(fn), fn(model) -> {}")
-        self._eval_fn = fn
-        return evaluate(self, fn, final=False)
-
-    def model_for_eval(self) -> nn.Module:
-        """The model the run reports now (collective for strategies whose replicas differ)."""
-        return self.strategy.eval_model()
-
-    # -- checkpoints ------------------------------------------------------------------------------------------------
-    def _checkpoint(self) -> None:
-        """This worker's state after this step in `checkpoints/worker<rank>-step<step>.pt`."""
-        position = self._position()
-        state = {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "strategy": self.strategy.state_dict(),
-            "schedule": self.schedule.state_dict() if self.schedule is not None else {},
-            "loader": torch.tensor(position if position is not None else (-1, -1)),
-            "time_s": self.clock.now(),
-            "counter": self.world.counter.snapshot(),
-            "skipped_steps": self.skipped_steps,
-            "rng": torch.get_rng_state(),
-            **self.records.state(),
-        }
-        checkpoint.save(state, self.run_dir, self.rank, self.step)
-
-    def _position(self) -> tuple[int, int] | None:
-        """Where the first loader is: (epoch, batches of it done)."""
-        if not self.loaders or self.loaders[0].epoch is None:
-            return None
-        loader = self.loaders[0]
-        return loader.epoch, loader.taken
-
-    def _save_server_checkpoint(self, strategy_state: dict[str, Any]) -> None:
-        state = {"strategy": strategy_state, "counter": self.world.counter.snapshot()}
-        checkpoint.save(state, self.run_dir, self.rank, int(strategy_state["step"]), server=True)
-
-    def _restore(self) -> float:
-        """Collective over the world: agree on the step to resume from (fast.checkpoint), load this process's
-        checkpoint of it, delete its later ones. Returns the training time to resume the clock at."""
-        server = self.is_server
-        takes_part = not server or self.strategy.server_checkpoints
-        mine = checkpoint.saved_steps(self.run_dir, self.rank, server=server)
-        everyone = checkpoint.gather_steps(self.world, mine if takes_part else None)
-        if not takes_part:
-            return 0.0
-        step = checkpoint.newest_common_step(everyone)
-        if step is None and any(everyone):  # checkpoints, but no step every process holds
-            alone = self.strategy.stops_alone  # workers at their own pace may be more than one interval apart
-            if self.is_main:
-                how = "each resumes from its own newest" if alone else "every process starts from the beginning"
-                self.context.log(f"fast: no checkpoint step is common to every process: {how}")
-            step = (mine[-1] if mine else None) if alone else 0
-        if step is None:
-            return 0.0
-        checkpoint.discard_after(self.run_dir, self.rank, step, server=server)
-        if step not in mine:
-            return 0.0
-        state = checkpoint.load(checkpoint.checkpoint_path(self.run_dir, self.rank, step, server=server))
-        self._restore_counter(state["counter"])
-        if server:
-            self.strategy.load_state_dict(state["strategy"])
-            return 0.0
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.strategy.load_state_dict(state["strategy"])
-        self._schedule_state = state.get("schedule") or None
-        torch.set_rng_state(state["rng"])
-        self.driver.step = int(state["step"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        position = state.get("loader")
-        if position is not None and int(position[0]) >= 0:
-            self.loader_position = (int(position[0]), int(position[1]))
-        self.records.restore(state)
-        self._recorded_at = self.step
-        return float(state["time_s"])
-
-    def _restore_counter(self, snapshot: dict[str, Any]) -> None:
-        counter = self.world.counter
-        counter.sent.update({int(k): v for k, v in snapshot["sent_per_peer"].items()})
-        counter.received.update({int(k): v for k, v in snapshot["received_per_peer"].items()})
-        counter.sent_uncompressed = snapshot["bytes_sent_uncompressed"]
-
-    # -- servers ------------------------------------------------------------------------------------------------------
     def _serve(self) -> None:
         """A server process: its strategy's loop until the workers are done, its part of the end, then exit."""
-        from fast.runtime.ending import finish_server
-
         layout = torch.zeros(2, dtype=torch.int64)
         with self.world.unmetered():
             self.world.recv(layout, 0, tag=LAYOUT_TAG)  # when worker 0 prepares its model
@@ -559,58 +476,6 @@ class Job:
         self.machine.start(self.world)
         self.clock = Clock()
         self.strategy.serve()
-        finish_server(self)
+        self._finish_server()
         self._close()
         raise SystemExit(0)
-
-    # -- the end ------------------------------------------------------------------------------------------------------
-    def finish(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
-        """End the run: wait for (or join) the other workers, the strategy's last exchanges, the final model by
-        `final_model`, its evaluation (with `eval_fn`, else the last one job.evaluate had), and the outputs:
-        metrics.jsonl, model.pt, summary.json. Returns the summary on worker 0, None on the others."""
-        from fast.runtime.ending import finish_worker
-
-        if self.finished:
-            raise UsageError("job.finish() was already called")
-        if self.model is None:
-            raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
-        self._eval_fn = eval_fn or self._eval_fn
-        try:
-            summary = finish_worker(self)
-        finally:
-            self._close()
-        return summary
-
-    def _join(self) -> None:
-        """Workers in step end together: one that has run out of steps while the others go on takes part in their
-        exchanges with no data (as DDP's Join) until the periodic check finds every worker done."""
-        joined_at = self.step
-        self._settle(finishing=True)
-        if self.stopped and self._checked_at != self.step:  # the plan ended here for all (a run resumed at its end)
-            self._agree(done=True)
-        while self._ended_at != self.step:
-            if self._check_due(self.step) and self._checked_at != self.step:
-                self._agree(done=True)
-                continue
-            self.driver.null_step()
-        if self.step > joined_at:
-            self.context.log(
-                f"fast: worker {self.rank} ran out of steps at step {joined_at} while others went on: it took part in "
-                f"their exchanges without data until step {self.step}, where they all ended"
-            )
-
-    def _close(self) -> None:
-        global _current
-        self.finished = True
-        self.driver.detach()
-        self.records.close()
-        engine.stop()
-        if _current is self:
-            _current = None
-
-    def __enter__(self) -> Job:
-        return self
-
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
-        if error is None and not self.finished and self.model is not None:
-            self.finish()

@@ -14,16 +14,34 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from fast.data import partition
+from fast.config import Config
 from fast.errors import ConfigError
+from fast.runtime.sharding import partition
 
-if TYPE_CHECKING:
-    from fast.runtime.job import Job
+
+class Host(Protocol):
+    """What a loader asks of the job it serves (fast.runtime.job.Job)."""
+
+    config: Config
+    rank: int
+    workers: int
+    is_worker: bool
+    device: torch.device
+    step: int
+    stopped: bool
+    loader_position: tuple[int, int] | None
+    loaders: list[Any]
+
+    def _settle(self) -> None: ...
+
+    def _all_have(self, has_batch: bool) -> bool: ...
+
+    def _loader_created(self, loader: Any) -> None: ...
 
 
 def labels_of(dataset: Any, labels: Any = None) -> torch.Tensor:
@@ -74,7 +92,7 @@ class ShardedLoader:
 
     def __init__(
         self,
-        job: Job,
+        job: Host,
         dataset: Dataset,
         batch_size: int,
         *,

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fast.progress import Progress
+from fast.runtime.progress import Progress
 
 
 class Records:

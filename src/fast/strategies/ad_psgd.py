@@ -20,7 +20,7 @@ if ANSWERED, the answering side's weights. Headers are sent reliably, weights `d
 
 A worker may die (`survives_failures`). Its neighbours find out when a request to it (or its answer, or the
 final "done") fails, or when it neither finishes nor answers a probe within the deadline
-(`fast.strategies.messages`), and never choose it again (a `schedule` is re-made over the live workers).
+(`fast.comm.messages`), and never choose it again (a `schedule` is re-made over the live workers).
 An averaging cut short by the death is not applied on the survivor's side, and an answer that could not
 be delivered is taken back, so every averaging among survivors stays pairwise and the survivors' sum of
 replicas is conserved by them.
@@ -35,18 +35,18 @@ difference, as for gossip's lost messages; the replicas still reach consensus. `
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from fast.comm import MessageLost
-from fast.config import Config
 from fast.errors import CommError
-from fast.strategies.base import Strategy
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import PEER_OPTIONS, peer_messages, without_barrier
 from fast.strategies.flat import FlatState
-from fast.strategies.gossip import PeerOptions, check_peer_options
-from fast.strategies.messages import Channel, Listener, LivePeers, PeerDeaths
+from fast.strategies.peers import AsyncPeers, PeerChoice, PeerOptions
 
 # requests: tags 0 (header) and 1 (weights), to the listener; answers: tags 2 (header) and 3 (weights)
 REQUEST, ANSWER = 0, 2
@@ -57,37 +57,34 @@ class ADPSGDOptions(PeerOptions):
     peers_per_round: int = Field(1, ge=1, description="neighbours averaged with, one after another, per step")
 
 
-class ADPSGD(Strategy):
+class ADPSGD(AsyncPeers):
     name = "ad-psgd"
     Options = ADPSGDOptions
-    collective_eval = False
-    stops_alone = True
-    survives_failures = True
+    tags = (REQUEST, REQUEST + 1, ANSWER, ANSWER + 1)
+    cost_options = PEER_OPTIONS
 
     @classmethod
-    def check(cls, options: ADPSGDOptions, config: Config) -> None:
-        check_peer_options(options, config)
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """Each exchange is two models, one each way; a worker starts one per step and, on average, answers one,
+        so its NIC sends two models; nobody waits for a barrier."""
+        messages = 2 * peer_messages(workers, options, default_peers=1)
+        return without_barrier(compute_s, messages * link.message_time(n), messages * n)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
-        self.peers = LivePeers(self.options, self.ctx)
-        self.deaths = PeerDeaths(self, self.peers.forget)
-        self.channel = Channel(self.comm)
+        self.peers = PeerChoice(self.options, self.ctx)
         self.lock = threading.Lock()  # guards the replica, `pending` and the counts between the two threads
         # corrections from averagings the listener answered, folded into the replica before each step
         self.pending = torch.zeros(self.state.numel)
         self.answered = self.started = self.lost_messages = 0
-        self.listener = Listener(
-            self.channel, self.peers.sources_ever, 2, self.state.numel, self._answer, self.deaths.found, REQUEST
-        )
-        self.listener.start()
+        self.open_mailbox(self.peers.ever, self.state.numel, self.peers.forget, tag=REQUEST)
 
     def _current(self) -> torch.Tensor:
         """The replica as it stands with every answered averaging included (call with the lock held)."""
         return self.state.read().cpu() + self.pending
 
-    def _answer(self, sender: int, header: torch.Tensor, theirs: torch.Tensor | None) -> None:
+    def arrive(self, sender: int, header: torch.Tensor, theirs: torch.Tensor | None) -> None:
         """Listener thread: reply with our weights and take half the difference (MISSED if theirs were lost)."""
         self.deaths.heard[sender] = int(header[1].item()) + 1
         if theirs is None:
@@ -107,16 +104,16 @@ class ADPSGD(Strategy):
 
     def _reply(self, requester: int, kind: float, mine: torch.Tensor | None = None) -> bool:
         try:
-            self.channel.send(torch.tensor([kind], dtype=torch.float64), requester, ANSWER)
+            self.mailbox.send(torch.tensor([kind], dtype=torch.float64), requester, ANSWER)
             if mine is not None:
-                self.channel.send(mine, requester, ANSWER + 1, droppable=True)
+                self.mailbox.send(mine, requester, ANSWER + 1, droppable=True)
         except CommError as e:
             self.deaths.found(requester, str(e))
             return False
         return True
 
     def before_step(self, step: int) -> None:
-        self.listener.check()
+        super().before_step(step)
         with self.lock:
             self.state.add(self.pending)
             self.pending.zero_()
@@ -137,12 +134,12 @@ class ADPSGD(Strategy):
             mine = self._current()
         kind = torch.zeros(1, dtype=torch.float64)
         try:
-            answer = self.channel.comm.irecv(kind, peer, tag=ANSWER)  # posted first: the peer's answer never waits
-            self.channel.send_message(peer, [float(step)], mine, tag=REQUEST, droppable=True)
-            self.channel.wait(answer)
+            answer = self.mailbox.comm.irecv(kind, peer, tag=ANSWER)  # posted first: the peer's answer never waits
+            self.mailbox.send_message(peer, [float(step)], mine, tag=REQUEST, droppable=True)
+            self.mailbox.wait(answer)
             if kind.item() == MISSED:  # our weights were lost on the way: the exchange did not happen
                 return
-            theirs = self.channel.recv(torch.empty_like(mine), peer, ANSWER + 1)
+            theirs = self.mailbox.recv(torch.empty_like(mine), peer, ANSWER + 1)
         except MessageLost:  # its weights were lost on the way: it averaged, this side does not
             with self.lock:
                 self.lost_messages += 1
@@ -156,13 +153,10 @@ class ADPSGD(Strategy):
 
     def end_of_run(self) -> None:
         """Tell the neighbours no request follows, answer theirs until they say the same, fold in the rest."""
-        for peer in self.peers.targets_ever:
-            if peer not in self.dead:
-                try:
-                    self.channel.send_done(peer, [0.0], tag=REQUEST)
-                except CommError as e:
-                    self.deaths.found(peer, str(e))
-        self.listener.finish(self.dead, self.deaths.found)
+        self.say_done(self.peers.ever, lambda peer: [0.0])
+        self.hear_everyone_done()
+
+    def fold_in(self) -> None:
         with self.lock:
             self.state.add(self.pending)
             self.pending.zero_()

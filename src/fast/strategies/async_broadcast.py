@@ -1,4 +1,4 @@
-"""`async-broadcast`: complete communication with unbounded delay, decentralised (Statement 1, paper 000).
+"""`async-broadcast`: complete communication with unbounded delay, decentralised (Statement 1 of Viviani et al. 2019).
 
 Every worker sends each update it applies (the change of its replica over its optimizer step, w_after -
 w_before) to every other worker, and adds what it receives to its own replica when it arrives: a listener
@@ -18,7 +18,7 @@ arrives, in order per sender. `staleness` records, for every update applied, how
 held that the sender's replica did not when it made the update (from a vector clock sent with each update).
 
 A worker may die (`survives_failures`): the others find out when an update (or the final count) sent to it
-fails, or when it neither finishes nor answers a probe within the deadline (`fast.strategies.messages`),
+fails, or when it neither finishes nor answers a probe within the deadline (`fast.comm.messages`),
 and send it nothing more. Its updates that reached a survivor are kept there. So the survivors' replicas
 still agree at the end up to the dead worker's last updates: those on their way when it died may have
 reached some survivors and not others.
@@ -30,16 +30,18 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from fast.errors import CommError
-from fast.strategies.base import Strategy, StrategyOptions
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import without_barrier
+from fast.strategies.base import StrategyOptions
 from fast.strategies.flat import FlatState
-from fast.strategies.messages import Channel, Listener, PeerDeaths
+from fast.strategies.peers import AsyncPeers
 
 
 class AsyncBroadcastOptions(StrategyOptions):
@@ -55,12 +57,15 @@ class Delivery:
     update: torch.Tensor
 
 
-class AsyncBroadcast(Strategy):
+class AsyncBroadcast(AsyncPeers):
     name = "async-broadcast"
     Options = AsyncBroadcastOptions
-    collective_eval = False
-    stops_alone = True
-    survives_failures = True
+    tags = (0, 1)  # the mailbox's header and body
+
+    @classmethod
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """Every update to the N−1 other workers through one NIC; no barrier."""
+        return without_barrier(compute_s, (workers - 1) * link.message_time(n), (workers - 1) * n)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
@@ -72,15 +77,10 @@ class AsyncBroadcast(Strategy):
         self.inbox: list[Delivery] = []
         self.delays = random.Random(f"fast.async-broadcast:{self.ctx.config.run.seed}:{self.comm.rank}")
         self.last_due = dict.fromkeys(self.others, 0.0)
-        self.channel = Channel(self.comm)
-        self.deaths = PeerDeaths(self)
-        header_size = 1 + self.comm.size
-        self.listener = Listener(
-            self.channel, self.others, header_size, self.state.numel, self._arrive, self.deaths.found
-        )
-        self.listener.start()
+        self.header_size = 1 + self.comm.size  # the kind, then the sender's vector clock
+        self.open_mailbox(self.others, self.state.numel)
 
-    def _arrive(self, sender: int, header: torch.Tensor, update: torch.Tensor | None) -> None:
+    def arrive(self, sender: int, header: torch.Tensor, update: torch.Tensor | None) -> None:
         """Listener thread: queue the update, due after its emulated delay (not before the sender's last)."""
         self.deaths.heard[sender] = int(header[1 + self.comm.index(sender)].item()) + 1
         delay = self.delays.uniform(0.0, self.options.max_delay_ms) / 1000
@@ -100,7 +100,7 @@ class AsyncBroadcast(Strategy):
             self.applied[self.comm.index(delivery.sender)] += 1
 
     def before_step(self, step: int) -> None:
-        self.listener.check()
+        super().before_step(step)
         self._apply_arrived()
         self.before = self.state.read()
         self.clock_at_read = self.applied.clone()
@@ -116,31 +116,24 @@ class AsyncBroadcast(Strategy):
         for peer in self.others:  # to everyone at once, then wait
             if peer not in self.dead:
                 try:
-                    posted.append((peer, self.channel.post_message(peer, self.clock_at_read.tolist(), update)))
+                    posted.append((peer, self.mailbox.post_message(peer, self.clock_at_read.tolist(), update)))
                 except CommError as e:
                     self.deaths.found(peer, str(e))
         for peer, handles in posted:
             try:
                 for handle in handles:
-                    self.channel.wait(handle)
+                    self.mailbox.wait(handle)
             except CommError as e:
                 self.deaths.found(peer, str(e))
         self.sent += 1
 
     def end_of_run(self) -> None:
         """Tell everyone how many updates we sent, take in every update still on its way (no delay now)."""
-        for peer in self.others:
-            if peer not in self.dead:
-                try:
-                    self.channel.send_done(peer, [float(self.sent)] + [0.0] * (self.comm.size - 1))
-                except CommError as e:
-                    self.deaths.found(peer, str(e))
-        self.listener.finish(self.dead, self.deaths.found)
+        self.say_done(self.others, lambda peer: [float(self.sent)] + [0.0] * (self.comm.size - 1))
+        self.hear_everyone_done("updates", lambda sender: int(self.applied[self.comm.index(sender)]))
+
+    def fold_in(self) -> None:
         self._apply_arrived(everything=True)
-        for sender, header in self.listener.done_headers.items():
-            announced, applied = int(header[1].item()), int(self.applied[self.comm.index(sender)])
-            if announced != applied:
-                raise CommError(f"async-broadcast: worker {sender} sent {announced} updates but {applied} arrived")
 
     def summary(self) -> dict[str, object]:
         return {"updates_per_replica": int(self.applied.sum())}

@@ -8,23 +8,28 @@ need; the defaults do nothing, so local training with no communication is `Strat
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import time
+import warnings
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from fast.comm import Comm
+from fast.codecs import Codec
+from fast.comm import tags
 from fast.config import Config, Section
+from fast.errors import ConfigError
+from fast.exchange.allreduce import worker_codec
+from fast.perfmodel import Link, StepCost
+from fast.strategies.context import ModelLayout, StrategyContext, pick_replica
 
 
 class StrategyOptions(Section):
     """Keys every strategy accepts; subclasses add their own."""
 
     name: str
-    final_model: str = Field("average", description='"average" | "best" | "worker:K" (decentralised only)')
+    final_model: str = Field("average", description='"average" | "best" | "worker:K" (where replicas differ)')
 
     @field_validator("final_model")
     @classmethod
@@ -34,64 +39,70 @@ class StrategyOptions(Section):
         raise ValueError('expected "average", "best" or "worker:K"')
 
 
-@dataclass(frozen=True)
-class ModelLayout:
-    """What a server process knows of the model, which it never holds: the number of parameter elements and of
-    state elements (parameters and floating-point buffers, in state_dict order). Worker 0 sends it."""
-
-    parameters: int
-    state: int
-
-    @classmethod
-    def of(cls, model: nn.Module) -> ModelLayout:
-        state = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
-        return cls(sum(p.numel() for p in model.parameters()), state)
-
-
-@dataclass
-class StrategyContext:
-    """What a strategy may use: its group, the whole world (servers too), the run's config and a seeded RNG."""
-
-    comm: Comm
-    world: Comm
-    config: Config
-    device: torch.device
-    workers: int
-    rank: int
-    generator: torch.Generator
-    steps_per_epoch: int  # known once the job has a loader (1 until then)
-    # the score of a replica for `final_model = "best"` (higher is better), e.g. accuracy on a validation split
-    score: Callable[[nn.Module], float] | None = None
-    log: Any = field(default=print)
-    # a server process hands its checkpoint state here when it has one (fast.worker writes it atomically and
-    # gives it back to `load_state_dict` on resume); None where nothing is checkpointed
-    save_checkpoint: Callable[[dict[str, Any]], None] | None = None
-
-
 class Strategy:
-    """Base strategy: no communication at all (each worker trains alone); the hooks subclasses override."""
+    """Base strategy: no communication at all (each worker trains alone); the hooks subclasses override.
+
+    A strategy declares everything about itself here, and the job, the config checks and `fast predict` ask it:
+    its hooks, its `Options`, which codecs it can apply (`accepts_codec`, by the codec's capabilities), how its
+    workers relate (the flags below), the processes it needs (`server_count`) and its cost model (`cost`).
+    """
 
     name: ClassVar[str] = "none"
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
-    decentralised: ClassVar[bool] = True  # replicas may differ, so `final_model` chooses what is reported
+    replicas_differ: ClassVar[bool] = True  # replicas may differ, so `final_model` chooses what is reported
     collective_eval: ClassVar[bool] = True  # False: during training only rank 0 evaluates, and nobody waits
     # True: after_backward leaves the same averaged gradient on every replica (bad workers excluded), so a
     # worker whose own gradient was not finite still steps, to stay identical to the others
     averages_gradients: ClassVar[bool] = False
-    # the `[codec]` names this strategy applies to what it sends (checked with the config); "none" = dense
-    codecs: ClassVar[tuple[str, ...]] = ("none",)
     # True: the run goes on when a worker other than rank 0 dies; the strategy drops the peers it finds dead
     # (recording each with `lost`), evaluation during training is rank 0's alone, and the end of the run is
-    # point-to-point to rank 0 (fast.results.gather_from_survivors) instead of collective
+    # point-to-point to rank 0 (fast.runtime.ending) instead of collective
     survives_failures: ClassVar[bool] = False
     # True: a worker may end its training at its own step while the others go on (asynchronous strategies), so
-    # `run.max_time` is each worker's own clock; False: workers end at the same step, agreed every log_every
+    # `run.max_time` is each worker's own clock; False: the workers move in step and end together
     stops_alone: ClassVar[bool] = False
     # True: the servers write checkpoints of their own (through `ctx.save_checkpoint`, a dict with its "step"),
-    # so on resume they take part in choosing the step every process resumes from (fast.checkpoint)
+    # so on resume they take part in choosing the step every process resumes from (fast.runtime.checkpoints)
     server_checkpoints: ClassVar[bool] = False
     # True: the strategy checks its gradients for NaN/Inf itself (and sets `gradients_were_bad`), so the job does not
     checks_gradients: ClassVar[bool] = False
+    tags: ClassVar[tuple[int, ...]] = ()  # the message tags it sends on (checked against FAST's own: fast.comm.tags)
+    # the cost model: the options `cost` reads (of the strategy's own, and the predictor's `degree`, `overlap`,
+    # `inner_link`), the defaults the predictor fills in, and whether every step waits for every worker (then
+    # the slowest sets the pace of each step); `priced` False: no cost model (`cost` is not asked)
+    priced: ClassVar[bool] = True
+    cost_options: ClassVar[frozenset[str]] = frozenset()
+    cost_defaults: ClassVar[dict[str, Any]] = {}
+    waits_every_step: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        tags.check(f"strategy {getattr(cls, 'name', cls.__name__)!r}", cls.tags)
+        if "decentralised" in cls.__dict__:  # its old name
+            warnings.warn(
+                f"{cls.__name__}.decentralised is deprecated: name it replicas_differ", DeprecationWarning, stacklevel=2
+            )
+            cls.replicas_differ = cls.__dict__["decentralised"]
+
+    # a class that runs a registered strategy under some of its options (EASGD's `variant = "async"`, gossip with
+    # a codec): `variant_of` is the registered class, and `chosen_when` says when (fast.strategies.strategy_for)
+    variant_of: ClassVar[type[Strategy] | None] = None
+
+    @classmethod
+    def chosen_when(cls, options: dict[str, Any], codec: str) -> bool:
+        """For a variant: whether it runs the strategy with these options (a dict) and this codec name."""
+        return False
+
+    @classmethod
+    def accepts_codec(cls, codec: Codec) -> bool:
+        """Whether this strategy applies `codec` to what it sends (by its capabilities); the base: dense only."""
+        return codec.name == "none"
+
+    @classmethod
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """The predicted step (fast.perfmodel): `n` bytes of one model-sized message, the link, one step's
+        compute, and the options named in `cost_options`. The base strategy does not communicate."""
+        return StepCost(compute_s, compute_s, 0.0, 0.0)
 
     def __init__(self, options: StrategyOptions, ctx: StrategyContext) -> None:
         self.options = options
@@ -106,6 +117,11 @@ class Strategy:
         self.accumulating = False  # inside job.no_sync(): a backward only accumulates gradients
         self.contributing = True  # False in a step without data (a worker that finished early): send nothing of it
         self.gradients_were_bad = False  # set by strategies that `checks_gradients`, per step
+
+    def make_codec(self) -> Codec | None:
+        """This worker's codec from `[codec]` (fast.exchange.allreduce.worker_codec), or None for dense."""
+        codec = self.ctx.config.codec
+        return worker_codec(codec.name, codec.options(), self.ctx.rank) if codec.name != "none" else None
 
     # -- processes -----------------------------------------------------------------------------------------
     @classmethod
@@ -162,8 +178,6 @@ class Strategy:
         if peer in self.dead:
             return
         self.dead.add(peer)
-        import time
-
         self.failures.append(
             {"worker": peer, "step": step, "unix_time": time.time(), "how": how, "noticed_by": self.ctx.rank}
         )
@@ -172,8 +186,6 @@ class Strategy:
     def score(self, model: nn.Module) -> float:
         """A replica's validation score for `final_model = "best"`."""
         if self.ctx.score is None:
-            from fast.errors import ConfigError
-
             raise ConfigError(
                 '`strategy.final_model` = "best" needs a validation score: call job.validate_with(fn), fn(model) -> '
                 'a number, higher is better (fast train scores on 1,000 training samples), or choose "average"'
@@ -212,19 +224,18 @@ class Strategy:
 
     def final_model(self, choice: Literal["average", "best"] | str | None = None) -> nn.Module:
         """The model the run reports (collective). Synchronous strategies return the replica itself."""
-        if not self.decentralised:
+        if not self.replicas_differ:
             return self.model
-        choice = choice or self.options.final_model
-        if choice == "average":
+
+        def scores() -> list[float]:
+            return [float(s) for s in self.comm.all_gather(torch.tensor([self.score(self.model)]))]
+
+        src = pick_replica(choice or self.options.final_model, self.comm.ranks, self.comm.size, scores)
+        if src is None:
             return self.average_model()
         import copy
 
         chosen = copy.deepcopy(self.model)
-        if choice.startswith("worker:"):
-            src = self.comm.ranks[int(choice[7:]) % self.comm.size]
-        else:  # "best": the replica with the highest validation score
-            scores = self.comm.all_gather(torch.tensor([self.score(self.model)]))
-            src = self.comm.ranks[int(torch.stack(scores).argmax())]
         with self.comm.unmetered():
             for tensor in chosen.state_dict().values():
                 self.comm.broadcast(tensor.data, src=src)

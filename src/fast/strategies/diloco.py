@@ -9,7 +9,7 @@ the inner optimizer only, and the outer optimizer's state (its momentum) is part
 Floating-point buffers (BatchNorm statistics) are not parameters: they are simply averaged each round.
 The reported model is θ; a last round at the end of the run folds in any steps after the last full round.
 With a `[codec]`, the pseudo-gradients are averaged through it (with its error feedback, per worker:
-`fast.comm.compressed`); every worker decodes the same mean, so θ stays the same everywhere.
+`fast.exchange.allreduce`); every worker decodes the same mean, so θ stays the same everywhere.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fast.codecs import CODECS
-from fast.comm.compressed import CompressedAllReduce, worker_codec
-from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.base import StrategyOptions
 from fast.strategies.flat import FlatState
+from fast.strategies.periodic import PeriodicAveraging
 
 
 class DiLoCoOptions(StrategyOptions):
@@ -34,10 +33,9 @@ class DiLoCoOptions(StrategyOptions):
     outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer optimizer")
 
 
-class DiLoCo(Strategy):
+class DiLoCo(PeriodicAveraging):
     name = "diloco"
     Options = DiLoCoOptions
-    codecs = tuple(name for name in CODECS if name != "dgc")  # DGC's momentum correction is for gradients
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
@@ -54,10 +52,6 @@ class DiLoCo(Strategy):
         self.rounds = 0
         self.last_step = -1
         self.last_round_step = -1
-        codec = self.ctx.config.codec
-        self.compressed: CompressedAllReduce | None = None
-        if codec.name != "none":
-            self.compressed = CompressedAllReduce(self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank))
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
@@ -68,11 +62,7 @@ class DiLoCo(Strategy):
     def outer_step(self) -> None:
         """Average the pseudo-gradients, step the outer optimizer, and restart every replica from θ."""
         pseudo_gradient = self.theta - self.params.read()
-        if self.compressed is not None:
-            shapes = [t.shape for t in self.params.tensors]
-            self.compressed.average(pseudo_gradient, "pseudo_gradient", shapes=shapes)
-        else:
-            self.comm.all_reduce(pseudo_gradient, op="mean")
+        self.mean(pseudo_gradient, "pseudo_gradient", [t.shape for t in self.params.tensors])
         self.theta.grad = pseudo_gradient
         self.outer.step()
         self.theta.grad = None

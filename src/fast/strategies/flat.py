@@ -1,4 +1,5 @@
-"""A model's floating-point tensors seen as one flat vector: what averaging and gossip strategies move."""
+"""A model's tensors seen as one flat vector: what averaging, gossip and server strategies move (weights) and what
+gradient-exchanging ones send (gradients)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ class FlatState:
     def add(self, delta: torch.Tensor) -> None:
         for tensor, chunk in zip(self.tensors, delta.split(self.sizes), strict=True):
             tensor.add_(chunk.view_as(tensor).to(tensor.device))
+
+
+def flat_gradients(params: list[nn.Parameter]) -> torch.Tensor:
+    """The gradients of `params` as one flat vector (zeros where a parameter got no gradient)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def write_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Give each parameter its slice of `flat` as its gradient (a copy)."""
+    for p, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad = chunk.view_as(p).clone()

@@ -49,9 +49,10 @@ def shared_tensors(model: nn.Module) -> list[torch.Tensor]:
 class Hogwild(Strategy):
     name = "hogwild"
     Options = StrategyOptions
-    decentralised = False  # there is one model
+    replicas_differ = False  # there is one model
     collective_eval = False
     stops_alone = True
+    priced = False  # nothing crosses a link; the α-β model cannot price the workers' contention on one memory
 
     @classmethod
     def check(cls, options: StrategyOptions, config: Config) -> None:

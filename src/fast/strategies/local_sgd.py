@@ -6,7 +6,7 @@ across averaging rounds; only the weights and floating-point buffers are average
 at the end of the run, so every replica ends with the same weights.
 
 With a `[codec]`, the averaging sends each replica's difference from the last average through the codec
-(with its error feedback; `fast.comm.compressed`), and every replica becomes that average plus the mean
+(with its error feedback; `fast.exchange.allreduce`), and every replica becomes that average plus the mean
 decoded difference; warm-up gradients go through the codec too.
 """
 
@@ -18,20 +18,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fast.codecs import CODECS
-from fast.comm.compressed import CompressedAllReduce, worker_codec
-from fast.strategies.base import Strategy, StrategyOptions
-from fast.strategies.flat import FlatState
-
-
-def flat_gradients(params: list[nn.Parameter]) -> torch.Tensor:
-    """The gradients of `params` as one flat vector (zeros where a parameter got no gradient)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-
-
-def write_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    for p, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.grad = chunk.view_as(p).clone()
+from fast.strategies.base import StrategyOptions
+from fast.strategies.flat import FlatState, flat_gradients, write_gradients
+from fast.strategies.periodic import PeriodicAveraging
 
 
 class LocalSGDOptions(StrategyOptions):
@@ -39,19 +28,15 @@ class LocalSGDOptions(StrategyOptions):
     warmup_steps: int = Field(0, ge=0, description="synchronous steps (averaged gradients) before local SGD")
 
 
-class LocalSGD(Strategy):
+class LocalSGD(PeriodicAveraging):
     name = "local-sgd"
     Options = LocalSGDOptions
-    codecs = tuple(name for name in CODECS if name != "dgc")  # DGC's momentum correction is for gradients
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_model(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        codec = self.ctx.config.codec
-        self.compressed: CompressedAllReduce | None = None
-        if codec.name != "none":
-            self.compressed = CompressedAllReduce(self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank))
+        if self.compressed is not None:
             self.anchor = self.state.read().clone()  # the last average, the same on every worker
         self.averagings = 0
         self.last_step = -1
@@ -60,10 +45,7 @@ class LocalSGD(Strategy):
     def after_backward(self, step: int) -> None:
         if step < self.options.warmup_steps:
             grads = flat_gradients(self.params)
-            if self.compressed is not None:
-                self.compressed.average(grads, "gradients", shapes=[p.shape for p in self.params])
-            else:
-                self.comm.all_reduce(grads, op="mean")
+            self.mean(grads, "gradients", [p.shape for p in self.params])
             write_gradients(self.params, grads)
 
     def after_optimizer_step(self, step: int) -> None:
@@ -76,7 +58,7 @@ class LocalSGD(Strategy):
         """Replace every replica by the mean of all replicas."""
         if self.compressed is not None:
             difference = self.state.read() - self.anchor
-            self.compressed.average(difference, "difference", shapes=[t.shape for t in self.state.tensors])
+            self.mean(difference, "difference", [t.shape for t in self.state.tensors])
             self.anchor += difference
             self.state.write(self.anchor)
         else:

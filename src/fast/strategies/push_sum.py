@@ -1,4 +1,4 @@
-"""`push-sum`: GoSGD, sum-weighted gossip (Blot et al. 2016; paper 002 Sec. 3.4.2, Fig. 17).
+"""`push-sum`: GoSGD, sum-weighted gossip (Blot et al. 2016; Langer et al. 2020 Sec. 3.4.2, Fig. 17).
 
 Each worker keeps a weight alpha_i, 1/N at the start. After its step, with probability `send_probability`,
 it picks a random neighbour (or the `schedule`'s peer, which with "exponential-one-peer" is stochastic
@@ -23,7 +23,7 @@ survivors' sum). Nothing needs rescaling: each replica holds the estimate x_i it
 push-sum's usual terms) and a merge is a weighted average, so the estimates stay unbiased and approach
 sum_i alpha_i x_i / sum_i alpha_i over the survivors. A peer is found dead when a push to it (or the final
 "done") fails, or when it neither finishes nor answers a probe within the deadline
-(`fast.strategies.messages`); it is then never chosen again.
+(`fast.comm.messages`); it is then never chosen again.
 
 On a lossy emulated link a push's values (sent `droppable`) may be lost; its header, with the weight, always
 arrives. The receiver then takes the weight with its own values, alpha_j <- alpha_j + alpha_i and x_j
@@ -40,12 +40,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fast.config import Config
 from fast.errors import CommError, CommTimeout
-from fast.strategies.base import Strategy
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import PEER_OPTIONS, peer_messages, without_barrier
 from fast.strategies.flat import FlatState
-from fast.strategies.gossip import PeerOptions, check_peer_options
-from fast.strategies.messages import Channel, Listener, LivePeers, PeerDeaths
+from fast.strategies.peers import AsyncPeers, PeerChoice, PeerOptions
 
 PUSH_TAG, WEIGHTS_TAG = 0, 2  # pushes use tags 0 (header) and 1 (values); the final weights go to rank 0 on 2
 
@@ -55,38 +54,35 @@ class PushSumOptions(PeerOptions):
     peers_per_round: int = Field(1, ge=1, description="neighbours pushed to at once, each with a share")
 
 
-class PushSum(Strategy):
+class PushSum(AsyncPeers):
     name = "push-sum"
     Options = PushSumOptions
-    collective_eval = False
-    stops_alone = True
-    survives_failures = True
+    header_size = 3  # [kind, share, step]
+    tags = (PUSH_TAG, PUSH_TAG + 1, WEIGHTS_TAG)
+    cost_options = PEER_OPTIONS
 
     @classmethod
-    def check(cls, options: PushSumOptions, config: Config) -> None:
-        check_peer_options(options, config)
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """With probability p, the model (and its weight) to peers_per_round random peers; no barrier."""
+        messages = peer_messages(workers, options, default_peers=1)
+        return without_barrier(compute_s, messages * link.message_time(n), messages * n)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
-        self.peers = LivePeers(self.options, self.ctx)
-        self.deaths = PeerDeaths(self, self.peers.forget)
+        self.peers = PeerChoice(self.options, self.ctx)
         self.alpha = 1.0 / self.comm.size
-        self.sent = dict.fromkeys(self.peers.targets_ever, 0)
+        self.sent = dict.fromkeys(self.peers.ever, 0)
         self.arrived: queue.SimpleQueue[tuple[float, torch.Tensor | None]] = queue.SimpleQueue()
-        self.channel = Channel(self.comm)
-        self.listener = Listener(
-            self.channel, self.peers.sources_ever, 3, self.state.numel, self._arrive, self.deaths.found, PUSH_TAG
-        )
-        self.listener.start()
+        self.open_mailbox(self.peers.ever, self.state.numel, self.peers.forget, tag=PUSH_TAG)
         self.weights: list[float | None] = []
         self.pushes = 0
 
-    def _arrive(self, sender: int, header: torch.Tensor, theirs: torch.Tensor | None) -> None:
+    def arrive(self, sender: int, header: torch.Tensor, theirs: torch.Tensor | None) -> None:
         self.deaths.heard[sender] = int(header[2].item()) + 1
         self.arrived.put((header[1].item(), theirs))
 
-    def _merge_arrivals(self) -> None:
+    def fold_in(self) -> None:
         while not self.arrived.empty():
             weight, theirs = self.arrived.get()
             total = self.alpha + weight
@@ -97,8 +93,8 @@ class PushSum(Strategy):
             self.alpha = total  # a lost push's weight is taken with this replica's own values
 
     def before_step(self, step: int) -> None:
-        self.listener.check()
-        self._merge_arrivals()
+        super().before_step(step)
+        self.fold_in()
 
     def after_optimizer_step(self, step: int) -> None:
         self.deaths.own_step = step + 1
@@ -111,7 +107,7 @@ class PushSum(Strategy):
         mine = self.state.read()
         for peer in targets:
             try:
-                self.channel.send_message(peer, [share, float(step)], mine, tag=PUSH_TAG, droppable=True)
+                self.mailbox.send_message(peer, [share, float(step)], mine, tag=PUSH_TAG, droppable=True)
             except CommTimeout as e:  # it may be only slow and still take the push: the share is gone
                 self.deaths.found(peer, str(e))
             except CommError as e:  # it is gone, with whatever it got: the share stays with the survivors
@@ -122,28 +118,18 @@ class PushSum(Strategy):
 
     def end_of_run(self) -> None:
         """Drain: announce each neighbour's push count, merge everything until all neighbours did the same."""
-        for peer, count in self.sent.items():
-            if peer not in self.dead:
-                try:
-                    self.channel.send_done(peer, [float(count), 0.0], tag=PUSH_TAG)
-                except CommError as e:
-                    self.deaths.found(peer, str(e))
-        self.listener.finish(self.dead, self.deaths.found)
-        self._merge_arrivals()
-        for sender, header in self.listener.done_headers.items():
-            announced, received = int(header[1].item()), self.listener.received[sender]
-            if announced != received:
-                raise CommError(f"push-sum: worker {sender} sent {announced} pushes but {received} arrived")
+        self.say_done(self.sent, lambda peer: [float(self.sent[peer]), 0.0])
+        self.hear_everyone_done("pushes", lambda sender: self.listener.received[sender])
         self._gather_weights()
 
     def _gather_weights(self) -> None:
         """Rank 0 collects every live worker's weight and push count, point to point (measurement only)."""
         mine = torch.tensor([self.alpha, float(sum(self.sent.values()))], dtype=torch.float64)
         first = self.comm.ranks[0]
-        with self.channel.unmetered():
+        with self.mailbox.unmetered():
             if self.comm.rank != first:
                 try:
-                    self.channel.send(mine, first, WEIGHTS_TAG)
+                    self.mailbox.send(mine, first, WEIGHTS_TAG)
                 except CommError:
                     pass  # rank 0 took this worker for dead: the end of the run goes on without it
                 return
@@ -151,7 +137,7 @@ class PushSum(Strategy):
             for rank in self.comm.ranks[1:]:
                 if rank not in self.dead:
                     try:
-                        gathered[rank] = self.channel.recv(torch.zeros(2, dtype=torch.float64), rank, WEIGHTS_TAG)
+                        gathered[rank] = self.mailbox.recv(torch.zeros(2, dtype=torch.float64), rank, WEIGHTS_TAG)
                     except CommError as e:
                         self.deaths.found(rank, f"did not report its push-sum weight: {e}")
         self.weights = [float(gathered[r][0]) if r in gathered else None for r in self.comm.ranks]

@@ -1,11 +1,11 @@
-"""`ssp`: stale-synchronous parallel (Ho et al. 2013; paper 002 Sec. 3.3.4) with staleness bound `staleness`.
+"""`ssp`: stale-synchronous parallel (Ho et al. 2013; Langer et al. 2020 Sec. 3.3.4) with staleness bound `staleness`.
 
 Every worker keeps a clock, its step count. After backward it sends its gradient of step t to every other
 worker and applies, through its own optimizer, the mean (1/N) of its own gradient and of every peer gradient
 of step ≤ t that has arrived and was not applied yet; a peer gradient that comes late is folded into the
 first step after it arrives. A worker more than s steps ahead of the slowest waits: before its optimizer
 step at t it blocks until every peer's gradients up to step t − s are in. So each replica always contains
-all updates of steps ≤ t − s and its own, plus whatever arrived of the rest (paper 002: the model a worker
+all updates of steps ≤ t − s and its own, plus whatever arrived of the rest (Langer et al. 2020: the model a worker
 reads contains the updates within [t − s, t + s − 1]).
 
 With s = 0 a worker waits for every peer's gradient of step t and applies exactly the mean of the step's N
@@ -30,8 +30,10 @@ from torch import nn
 
 from fast.comm import Handle
 from fast.errors import CommError, CommTimeout
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import COLLECTIVE_OPTIONS, collective, without_barrier
 from fast.strategies.base import Strategy, StrategyOptions
-from fast.strategies.local_sgd import flat_gradients, write_gradients
+from fast.strategies.flat import flat_gradients, write_gradients
 
 HEADER, BODY = 0, 1  # tags: a header holds the step (END closes the stream), the body the gradient
 END = -1
@@ -105,14 +107,21 @@ class Inboxes:
 class StaleSynchronous(Strategy):
     name = "ssp"
     Options = SSPOptions
+    tags = (HEADER, BODY)
     collective_eval = False  # rank 0 evaluates its replica during training; nobody waits for it
+    cost_options = COLLECTIVE_OPTIONS
+
+    @classmethod
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """Every gradient goes to every peer, but the staleness bound removes the barrier's waits."""
+        return without_barrier(compute_s, *collective(n, workers, link, options))
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.peers = [r for r in self.comm.ranks if r != self.comm.rank]
-        self.channel = self.comm.channel()
+        self.channel = self.comm.separate_group()
         self.inboxes = Inboxes(self.peers, self.channel.deadline_s)
         self.sends: list[tuple[Handle, torch.Tensor]] = []
         self.waits = 0

@@ -4,15 +4,13 @@ Gradients are grouped into buckets in the order backward produces them (last lay
 every gradient of a bucket is ready, the bucket's all-reduce starts in the background while backward goes
 on with earlier layers; `after_backward` waits for the buckets and writes the averages back. With
 `hierarchical = G` a bucket is summed inside groups of G consecutive workers, all-reduced among the group
-leaders, then broadcast inside each group (paper 004 Sec. 3, Sync Solver).
+leaders, then broadcast inside each group (Wongpanich et al. 2020 Sec. 3, Sync Solver).
 
-With a `[codec]`, each bucket is summed through it instead (`fast.comm.compressed`: an all-reduce in the
+With a `[codec]`, each bucket is summed through it instead (`fast.exchange.allreduce`: an all-reduce in the
 wire dtype for fp16/bf16, two all-reduces for PowerSGD, an all-gather of frames for the others), with the
 codec's error feedback kept per bucket, still overlapped with backward. With `momentum_correction` (by
 default for every codec but PowerSGD, whose paper applies momentum after the sum), SGD's momentum and weight
-decay move from the optimizer to each worker, before compression (DGC's momentum correction, Lin et al. 2018
-Sec. 3.2): the optimizer's own momentum and weight decay are set to 0 and it steps with the mean of the
-workers' velocities; see `MomentumCorrection`.
+decay move from the optimizer to each worker, before compression (fast.strategies.momentum).
 """
 
 from __future__ import annotations
@@ -23,12 +21,15 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fast.codecs import CODECS
+from fast.codecs import Codec
 from fast.comm import Comm, Handle
-from fast.comm.compressed import CompressedAllReduce, PendingSum, worker_codec
 from fast.config import Config
 from fast.errors import ConfigError
+from fast.exchange.allreduce import CompressedAllReduce, PendingSum
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import COLLECTIVE_OPTIONS, collective, with_barrier
 from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.momentum import MomentumCorrection
 
 
 class SyncOptions(StrategyOptions):
@@ -81,57 +82,23 @@ class Bucket:
             p.grad = view
 
 
-class MomentumCorrection:
-    """SGD's momentum and weight decay applied by each worker to its own gradient, before compression.
-
-    A worker sends d + β u (Nesterov) or u, where d = g + λ w and u = β u + d is its own velocity, and the
-    optimizer, its momentum and weight decay set to 0, steps with the mean of what arrived. Momentum is
-    linear, so without compression this is the same SGD (torch's, first step included). With a lossy codec,
-    error feedback then keeps what was not sent of the velocity, where the optimizer's momentum would
-    otherwise amplify the codec's error (Lin et al. 2018; Zheng et al. 2019). Optimizers other than SGD
-    keep their own state and get the compressed gradients.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.settings: dict[nn.Parameter, tuple[float, float, bool]] = {}  # momentum, weight decay, nesterov
-        self.velocity: dict[nn.Parameter, torch.Tensor] = {}
-        if not isinstance(optimizer, torch.optim.SGD):
-            return
-        for group in optimizer.param_groups:
-            if group["dampening"] or group.get("maximize"):
-                continue  # not the plain momentum this mirrors: left to the optimizer
-            for p in group["params"]:
-                self.settings[p] = (group["momentum"], group["weight_decay"], group["nesterov"])
-            group.update(momentum=0.0, weight_decay=0.0, nesterov=False)
-
-    def apply(self, params: list[nn.Parameter], gradients: list[torch.Tensor]) -> None:
-        """Turn each parameter's gradient (in place) into what its worker sends."""
-        for p, gradient in zip(params, gradients, strict=True):
-            if p not in self.settings:
-                continue
-            momentum, weight_decay, nesterov = self.settings[p]
-            if weight_decay:
-                gradient.add_(p.detach(), alpha=weight_decay)
-            if not momentum:
-                continue
-            velocity = self.velocity.get(p)
-            if velocity is None:
-                velocity = self.velocity[p] = gradient.clone()
-            else:
-                velocity.mul_(momentum).add_(gradient)
-            if nesterov:
-                gradient.add_(velocity, alpha=momentum)
-            else:
-                gradient.copy_(velocity)
-
-
 class Sync(Strategy):
     name = "sync"
     Options = SyncOptions
-    decentralised = False
+    replicas_differ = False
     averages_gradients = True
     checks_gradients = True  # each bucket, as it leaves
-    codecs = CODECS
+    cost_options = COLLECTIVE_OPTIONS | {"overlap"}
+    waits_every_step = True
+
+    @classmethod
+    def accepts_codec(cls, codec: Codec) -> bool:
+        return True
+
+    @classmethod
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """An all-reduce every step, behind a barrier (its buckets overlap backward: `overlap`)."""
+        return with_barrier(compute_s, *collective(n, workers, link, options), options)
 
     @classmethod
     def check(cls, options: SyncOptions, config: Config) -> None:
@@ -166,9 +133,7 @@ class Sync(Strategy):
         self.compressed: CompressedAllReduce | None = None
         self.momentum: MomentumCorrection | None = None
         if codec.name != "none":
-            self.compressed = CompressedAllReduce(
-                self.comm, worker_codec(codec.name, codec.options(), self.ctx.rank), background=True
-            )
+            self.compressed = CompressedAllReduce(self.comm, self.make_codec(), background=True)
             correct = self.options.momentum_correction
             if correct or (correct is None and codec.name != "powersgd"):
                 self.momentum = MomentumCorrection(optimizer)

@@ -37,7 +37,8 @@ def ring(n: int, weights: str = "metropolis") -> Topology:
 
 
 def torus(rows: int, cols: int, weights: str = "metropolis") -> Topology:
-    """The 2D toroidal grid of paper 001: worker (i, j), rank i * cols + j, talks to (i±1, j) and (i, j±1).
+    """The 2D toroidal grid of Viviani et al., the extended design: worker (i, j), rank i * cols + j, talks to (i±1,
+    j) and (i, j±1).
 
     Indices wrap around; in a dimension of width 2 the two wrapped neighbours are the same worker and of
     width 1 the worker itself, so those channels collapse (torus(1, n) is ring(n)).

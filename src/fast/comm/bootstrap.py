@@ -1,0 +1,74 @@
+"""The process-group bootstrap: join torch.distributed (gloo on CPU, NCCL on CUDA), started by FAST's local launcher
+or under torchrun, and hand back the `Comm` every layer above moves tensors through."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fast.comm import Comm
+from fast.errors import ConfigError
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has already set the rendezvous variables."""
+    return all(v in os.environ for v in TORCHRUN_VARIABLES)
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def device_for(kind: str) -> torch.device:
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError('`run.device` = "cuda" but no CUDA device is visible: use device = "cpu"')
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def start(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    device: torch.device,
+    deadline_s: float,
+    make_comm: Callable[..., Comm] = Comm,
+) -> Comm:
+    """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`, made by
+    `make_comm(deadline_s=..., device=...)` (an emulated one, say, whose traffic crosses emulated links)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=deadline_s)
+    # under torch's elastic agent (torchrun, run.max_restarts) the agent hosts the store and keeps it across
+    # restarts, so every attempt gets keys of its own; otherwise rank 0 hosts it
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if os.environ.get("FAST_STORE_FILE"):  # local runs: a file, so nothing listens beyond gloo's loopback pairs
+        store = dist.FileStore(os.environ["FAST_STORE_FILE"], world_size)
+    else:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"fast/attempt-{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    return make_comm(deadline_s=deadline_s, device=device)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,257 @@
+"""The run configuration's schema: TOML in, typed and validated sections out, every error one line naming the key.
+
+This is a leaf: it knows no strategy or codec. `fast.assemble.load_config` checks a config against the strategy
+and codec registries as well (their options, and which codecs a strategy can use).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fast.config.deployment import ComputeConfig, FaultsConfig, NetworkConfig
+from fast.errors import ConfigError
+from fast.targets import Target, parse_target
+from fast.units import parse_duration
+
+
+class Section(BaseModel):
+    """A config table: unknown keys are errors, values are checked, not coerced from strings."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "fast"
+    seed: int = Field(0, ge=0)
+    workers: int = Field(4, ge=1, le=256)
+    epochs: float = Field(3, gt=0)
+    batch_size: int = Field(64, ge=1)
+    eval_every: float = Field(0.5, ge=0, description="epochs between test evaluations; 0 = only at the end")
+    device: Literal["cpu", "cuda"] = "cpu"
+    targets: list[float | str] = Field(
+        default_factory=lambda: [0.80, 0.85],
+        description='test accuracies, or "metric >= value" / "metric <= value", timed in time_to_target_s',
+    )
+    log_every: int = Field(20, ge=1, description="steps between metric records")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
+    max_time: str | float | None = Field(
+        None, description='stop training after this much training time, e.g. "5min" (evaluation off the clock)'
+    )
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
+    max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
+    deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
+    max_bad_steps: int = Field(10, ge=1, description="stop after this many NaN/Inf steps in a row on a worker")
+    threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 = cores / workers")
+    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (gradient accumulation)")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description='"bf16": forward and loss under bf16 autocast')
+    tensorboard: bool = Field(False, description="TensorBoard event files in <run>/tensorboard")
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+
+    @field_validator("max_time")
+    @classmethod
+    def _max_time(cls, value: str | float | None) -> str | float | None:
+        if value is not None:
+            try:
+                seconds = parse_duration(value)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+            if seconds <= 0:
+                raise ValueError('must be a positive duration such as "5min"; leave it out for no limit')
+        return value
+
+    @property
+    def max_time_s(self) -> float | None:
+        return parse_duration(self.max_time) if self.max_time is not None else None
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, targets: list[float | str]) -> list[float | str]:
+        for t in targets:
+            try:
+                parse_target(t)
+            except ConfigError as e:
+                raise ValueError(str(e).removeprefix("`run.targets`: ")) from None
+        return targets
+
+    @property
+    def parsed_targets(self) -> list[Target]:
+        return [parse_target(t) for t in self.targets]
+
+
+class FactorySection(BaseModel):
+    """A table that names built-in code (`name`) or the user's (`factory = "package.module:function"`); with a
+    factory, the table's other keys are the function's keyword arguments."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    factory: str | None = Field(None, description='"package.module:function" of your own')
+
+    @field_validator("factory")
+    @classmethod
+    def _importable_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[\w.]+:[\w.]+", value):
+            raise ValueError('must look like "package.module:function"')
+        return value
+
+    @model_validator(mode="after")
+    def _extras_need_a_factory(self) -> FactorySection:
+        if self.factory is None and self.model_extra:
+            raise ValueError(f"unknown key `{next(iter(self.model_extra))}`")
+        return self
+
+    def arguments(self) -> dict[str, Any]:
+        """The factory's keyword arguments: the table's keys beyond its own."""
+        return dict(self.model_extra or {})
+
+
+class DataConfig(FactorySection):
+    name: Literal["fashion-mnist", "mnist5k", "digits", "synthetic"] = "fashion-mnist"
+    partition: Literal["iid", "dirichlet"] = "iid"
+    alpha: float = Field(0.5, gt=0)
+    dir: str | None = Field(None, description="folder of the idx files; default $FAST_DATA_DIR or the Debian one")
+    synthetic_train: int = Field(2048, ge=16)
+    synthetic_test: int = Field(512, ge=16)
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per worker (generic datasets)")
+
+
+class ModelConfig(FactorySection):
+    name: Literal["mlp", "lenet", "lstm", "resnet8"] = "lenet"
+
+
+class StepConfig(FactorySection):
+    """`[step] factory`: the loss of one batch, `step(model, *batch)` (default: cross-entropy of model(x), y)."""
+
+
+class EvalConfig(FactorySection):
+    """`[eval] factory`: named metrics of a model, `evaluate(model, test_dataset)` -> {"accuracy": ..., ...}."""
+
+    batch_size: int = Field(1000, ge=1, description="batch size of the built-in evaluation")
+
+
+class OptimizerConfig(BaseModel):
+    """The workers' optimizer: any torch.optim optimizer by name; keys beyond these are its keyword arguments."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str = "sgd"
+    lr: float = Field(0.05, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    nesterov: bool = False
+    clip_norm: float | None = Field(None, gt=0, description="clip the gradients' global norm before each step")
+
+
+class ScheduleConfig(BaseModel):
+    """The learning-rate schedule: "constant", "warmup-cosine", "warmup-linear", "step", or any class of
+    torch.optim.lr_scheduler by name with its keyword arguments."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str = "constant"
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps (warmup-cosine, warmup-linear)")
+    total_steps: int | None = Field(None, ge=1, description="steps of the whole schedule; default the run's")
+    min_lr: float = Field(0.0, ge=0, description="the learning rate the decay ends at")
+    step_size: int = Field(1000, ge=1, description="steps between decays (step)")
+    gamma: float = Field(0.1, gt=0, description="decay factor (step)")
+
+
+class OpenSection(BaseModel):
+    """A table whose keys beyond `name` belong to the named component, which validates them itself."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class StrategyConfig(OpenSection):
+    name: str = "sync"
+    module: str | None = Field(
+        None, description='a module to import first, which defines a strategy of your own ("mypkg.strategies")'
+    )
+
+
+class CodecConfig(OpenSection):
+    name: str = "none"
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    step: StepConfig = Field(default_factory=StepConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig | None = Field(None, description="learning-rate schedule; none = constant")
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    codec: CodecConfig = Field(default_factory=CodecConfig)
+    network: NetworkConfig | None = Field(None, description="emulated links; none = native communication")
+    compute: ComputeConfig | None = Field(None, description="emulated compute: slowdowns and stragglers")
+    faults: FaultsConfig | None = Field(None, description="injected faults: crashes and links down")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"] if p != "__root__") or "config"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"unknown key `{key}`: remove it or check its spelling (see the config reference in the README)"
+    if kind == "missing":
+        return f"missing key `{key}`: add it to the config"
+    if kind == "literal_error":
+        allowed = first.get("ctx", {}).get("expected", "")
+        return f"`{key}` = {first['input']!r} is not valid: expected {allowed}"
+    message = first["msg"].removeprefix("Value error, ")
+    if message.startswith("unknown key `"):  # a table's own check (FactorySection): name the key in full
+        name = message.removeprefix("unknown key `").split("`")[0]
+        return (
+            f"unknown key `{key}.{name}`: remove it or check its spelling, or name your own code with "
+            f'{key}.factory = "package.module:function" to pass it keys'
+        )
+    return f"`{key}`: {message} (got {first.get('input')!r}); fix the value in the config or --set"
+
+
+def parse_value(text: str) -> Any:
+    """Read a --set value as TOML (numbers, booleans, strings, lists); bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (`run.workers`, `strategy.staleness`) in a nested dict, creating tables as needed."""
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override `{dotted}` must name a table and a key, e.g. run.workers=4")
+        table = data
+        for part in parts[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override `{dotted}`: `{part}` is a value, not a table")
+        if parts[-1] == "name" and table.get("name") != value and parts[0] in ("strategy", "codec"):
+            table.clear()  # switching strategy or codec drops the old one's options
+        table[parts[-1]] = value
+    return data
+
+
+def load_dict(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: give the path of a TOML file")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None

@@ -1,0 +1,353 @@
+"""Local launcher: start N worker processes on this machine, watch them, and stop them all together.
+
+Each child gets the same environment torchrun would give it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+LOCAL_RANK), so the worker code is the same locally and across machines. If any child fails, the others
+are stopped and the first failure's one-line message is raised; children die with their parent
+(PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no orphan. With `survivable=True` (strategies that
+survive failures) only rank 0's failure stops the run: the others may die and the survivors go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fast.errors import CommError, FastError
+
+GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
+SETTLE_S = 3.0  # seconds the others get to report after a first failure
+SURVIVOR_GRACE_S = 10.0  # seconds the survivors get to exit once rank 0 has ended a run that survives failures
+LINGER_S = 1.0  # under the elastic agent, seconds a worker that lost a peer waits before it ends (see below)
+
+
+class WorkerFailed(FastError):
+    """A worker process ended with an error; the run was stopped. Its exit code is the failed worker's (2 for a
+    configuration error), and `traceback` the user code's traceback when that raised."""
+
+    def __init__(self, message: str, exit_code: int | None = None, traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.traceback = traceback
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class Interrupted(WorkerFailed):
+    """Ctrl-C (or a termination signal) stopped the run and every worker; exit code 130, as a shell's."""
+
+    exit_code = 130
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def name_process(title: str) -> None:
+    """The process's name in ps and top. (setproctitle must first run before os.environ is replaced: it moves the
+    environment out of the way of the longer name then.)"""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # only the name in ps and top is lost
+        pass
+
+
+def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, results: Any) -> None:
+    _die_with_parent()
+    name_process(f"fast worker {rank}")
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
+    try:
+        # plain pickle copies tensors (the queue's own pickler would share them through file descriptors
+        # that vanish when this process exits); this is a local pipe between our own processes, not the wire
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
+    except SystemExit as e:  # a server's end (fast.init), or a script's sys.exit
+        if e.code in (None, 0):
+            results.put((rank, "ok", pickle.dumps(None)))
+            return
+        code = e.code if isinstance(e.code, int) else 1
+        results.put((rank, "error", pickle.dumps(Failure(f"exited with code {code}", code))))
+        raise SystemExit(code) from None
+    except BaseException as e:  # report every failure as one line to the launcher
+        results.put((rank, "error", pickle.dumps(failure_of(e))))
+        raise SystemExit(1) from None
+
+
+class Failure:
+    """How a process failed: one line, the exit code the run should end with, and for an error that is not
+    FAST's own (the user's code raised) its traceback, shown once."""
+
+    def __init__(self, message: str, exit_code: int = 1, traceback: str | None = None, secondary: bool = False):
+        self.message, self.exit_code, self.traceback, self.secondary = message, exit_code, traceback, secondary
+
+
+def failure_of(e: BaseException) -> Failure:
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, FastError):
+        return Failure(message, e.exit_code, None, secondary=isinstance(e, CommError))
+    shown = traceback.format_exc() if not isinstance(e, KeyboardInterrupt) else None
+    return Failure(f"{type(e).__name__}: {message}", 1, shown)
+
+
+def _context() -> Any:
+    """Processes forked from a server that has imported torch once: starting a worker costs milliseconds, not
+    the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["fast.jobs.loop", "torch._dynamo"])
+    return ctx
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    addr: str = "127.0.0.1",
+    port: int,
+    threads: int = 1,
+    extra_env: dict[str, str] | None = None,
+    survivable: bool = False,
+) -> dict[int, Any]:
+    """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
+
+    With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
+    others are not stopped; rank 0 (which writes the outputs) must end well."""
+    ctx = _context()
+    results = ctx.SimpleQueue()
+    store_dir = tempfile.mkdtemp(prefix="fast-store-")
+    local = addr.startswith("127.") or addr == "localhost"
+    procs = []
+    for rank in range(nprocs):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": str(threads),
+            "GLOO_SOCKET_IFNAME": "lo" if addr.startswith("127.") else os.environ.get("GLOO_SOCKET_IFNAME", ""),
+            "FAST_STORE_FILE": os.path.join(store_dir, "store") if local else "",
+            **(extra_env or {}),
+        }
+        # the whole environment travels: a forked worker would otherwise see the fork server's, not ours
+        env = {**os.environ, **{k: v for k, v in env.items() if v}}
+        proc = ctx.Process(target=_child, args=(fn, rank, env, args, results), name=f"fast-worker-{rank}")
+        proc.start()
+        procs.append(proc)
+    outputs: dict[int, Any] = {}
+    exited: dict[int, int] = {}  # processes that ended by themselves, with their exit codes
+    interrupted = False
+    pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
+    settle_until: float | None = None
+    try:
+        while pending:
+            timeout = None if settle_until is None else max(0.0, settle_until - time.monotonic())
+            # read results as they come: a child blocks on a full pipe until its result is read
+            ready_list = wait([*pending, results._reader], timeout)
+            if not ready_list:
+                break
+            for ready in ready_list:
+                if ready is not results._reader:
+                    rank, proc = pending.pop(ready)
+                    proc.join()
+                    exited[rank] = proc.exitcode
+                    fatal = not survivable or rank == 0
+                    if proc.exitcode != 0 and fatal and settle_until is None:
+                        settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
+                    elif survivable and rank == 0 and proc.exitcode == 0 and settle_until is None:
+                        # rank 0 wrote the outputs and released the survivors; one that is frozen (not dead,
+                        # not answering) must not keep the run open: it is stopped after the grace period
+                        settle_until = time.monotonic() + SURVIVOR_GRACE_S
+                outputs.update(_drain(results))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        _stop(procs)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    outputs.update(_drain(results))
+    if interrupted:
+        raise Interrupted("interrupted (Ctrl-C): every worker was stopped")
+    if survivable and not isinstance(outputs.get(0), Failure) and exited.get(0) == 0:
+        return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
+    failure = _root_cause(outputs, exited)
+    if failure is not None:
+        raise WorkerFailed(failure.message, failure.exit_code, failure.traceback)
+    return outputs
+
+
+AGENT_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@record
+def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[str, str]) -> bytes:
+    _die_with_parent()
+    name_process("fast worker")
+    agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()  # the launcher's environment, not the fork server's, plus what the agent set
+    os.environ.update({**env, **agent, "OMP_NUM_THREADS": str(threads)})
+    # Ctrl-C reaches every process of the terminal's group: a worker ends at once and quietly (no traceback);
+    # the agent stops the others and the launcher reports it in one line
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    restart = int(agent.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and agent.get("RANK") == "0":
+        print(
+            f"fast: a worker failed; restart {restart} of {agent.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
+            "every worker resumes from its last checkpoint",
+            file=sys.stderr,
+        )
+    try:
+        return pickle.dumps(fn(*args))
+    except SystemExit as e:  # a server's end (fast.init)
+        if e.code in (None, 0):
+            return pickle.dumps(None)
+        raise
+    except CommError:
+        # a lost connection is most often a peer's death: the agent reports only the first process it finds
+        # ended, so linger for it to find the peer first (a real deadline is still reported, a second later)
+        time.sleep(LINGER_S)
+        raise
+
+
+AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the signals torch's agent takes over
+
+
+@contextlib.contextmanager
+def _under_agent() -> Iterator[None]:
+    """While torch's agent runs in this process: its logs quiet (it logs every failure with tracebacks on stderr;
+    FAST says it in one line; FAST_DEBUG=1 shows all), and afterwards the signal handlers it installed undone."""
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in AGENT_SIGNALS if hasattr(signal, name)}
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    names = [] if os.environ.get("FAST_DEBUG") else list(logging.Logger.manager.loggerDict)
+    loggers = [logging.getLogger(name) for name in names if name.startswith(prefixes)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        for name, handler in handlers.items():
+            if handler is not None:
+                with contextlib.suppress(ValueError):  # only the main thread sets handlers (as the agent)
+                    signal.signal(getattr(signal, name), handler)
+
+
+def launch_elastic(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    addr: str = "127.0.0.1",
+    port: int,
+    threads: int = 1,
+    max_restarts: int = 1,
+) -> dict[int, Any]:
+    """Like `launch`, under torch's elastic agent: if any worker fails, all are restarted (up to `max_restarts`
+    times) with TORCHELASTIC_RESTART_COUNT set, so that they resume from their last checkpoint."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"fast-{port}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{addr}:{port}",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="forkserver",
+        local_addr=addr,
+    )
+    _context()  # the agent's workers come from the same preloaded fork server
+    try:
+        with _under_agent():
+            outputs = elastic_launch(config, _elastic_child)(fn, threads, args, dict(os.environ))
+    except (KeyboardInterrupt, SignalException) as e:  # the agent has stopped every worker
+        how = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else signal.Signals(e.sigval).name
+        how = "Ctrl-C" if how == "SIGINT" else how
+        raise Interrupted(f"interrupted ({how}): every worker was stopped") from None
+    except ChildFailedError as e:
+        causes = []
+        for rank, failure in e.failures.items():
+            data = failure.error_file_data or {}
+            message = data.get("message")
+            text = str(message.get("message", "") if isinstance(message, dict) else message or "").strip()
+            text = "" if text == "<NONE>" else text  # no error file: the process died without a word
+            code = failure.exitcode
+            reason = (
+                text.splitlines()[0]
+                if text
+                else (f"killed by signal {-code}" if code < 0 else f"exited with code {code}")
+            )
+            causes.append((reason.startswith(("CommError", "CommTimeout")), rank, reason))
+        _, rank, reason = min(causes)  # a worker's own death or error explains its peers' lost connections
+        raise WorkerFailed(f"worker {rank} failed and {max_restarts} restart(s) are used up: {reason}") from None
+    return {rank: pickle.loads(value) for rank, value in outputs.items()}
+
+
+def _drain(results: Any) -> dict[int, Any]:
+    out = {}
+    while not results.empty():
+        rank, _, value = results.get()
+        out[rank] = pickle.loads(value)
+    return out
+
+
+def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> Failure | None:
+    """The failure that explains the others: a worker's own error or death before a peer's lost connection."""
+    causes = []
+    for rank, value in outputs.items():
+        if isinstance(value, Failure):
+            named = Failure(f"worker {rank} failed: {value.message}", value.exit_code, value.traceback)
+            causes.append((value.secondary, rank, named))
+    for rank, code in exited.items():
+        if code != 0 and rank not in outputs:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            causes.append((False, rank, Failure(f"worker {rank} {how}; the run was stopped")))
+    return min(causes, key=lambda c: (c[0], c[1]))[2] if causes else None
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -1,0 +1,144 @@
+"""The `fast` command line: train, and the tools around it. Errors are one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from fast.config import parse_value
+from fast.errors import ConfigError, FastError
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {pair!r} must look like key=value, e.g. --set run.workers=2")
+        out[key.strip().replace(".", "__")] = parse_value(value.strip())
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from fast.tools.start import train
+    from fast.tools.summary_text import print_summary
+
+    summary = train(args.config, out=args.out, resume=args.resume, **_overrides(args.set))
+    if summary:  # under torchrun only rank 0 has it
+        print_summary(summary)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fast.tools.start import run_script
+    from fast.tools.summary_text import print_summary
+
+    summary = run_script(
+        args.script,
+        args.args,
+        workers=args.workers,
+        config=args.config,
+        out=args.out,
+        resume=args.resume,
+        **_overrides(args.set),
+    )
+    if summary:
+        print_summary(summary)
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from fast.topology import format_topology
+
+    print(format_topology(args.spec, args.workers))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fast.tools.comparison import compare
+
+    return 1 if compare(args.config, out=args.out, **_overrides(args.set)).failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fast.tools.comparison import rebuild_report
+
+    rebuild_report(args.dir)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from fast.tools.predict import print_predictions
+
+    print_predictions(args.config)
+    return 0
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from fast.tools.reference import markdown
+
+    print(markdown())
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fast", description="Flexible (A)synchronous Scalable Training")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train one job: fast train CONFIG.toml [--set key=value ...] [--out DIR]")
+    t.add_argument("config", nargs="?", help="TOML config (with --resume: defaults to the run's own config)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    t.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
+    t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    t.set_defaults(func=cmd_train)
+    run = sub.add_parser(
+        "run",
+        help="run your own training script on N workers: fast run [--workers N] [--config job.toml] SCRIPT [args]",
+        description="Start SCRIPT (which calls fast.init) in every process of a run on this machine; launcher "
+        "options come before the script, the script's own arguments after it.",
+    )
+    run.add_argument("--workers", "-n", type=int, help="worker processes (default: the config's run.workers)")
+    run.add_argument("--config", help="TOML config; replaces the one the script gives fast.init")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    run.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
+    run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    run.add_argument("script", help="a Python script that calls fast.init")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.set_defaults(func=cmd_run)
+    top = sub.add_parser("topology", help="print a topology's neighbours, mixing weights and spectral gap")
+    top.add_argument("spec", help='e.g. "torus:4x4", "ring", "exponential", "random-regular:3"')
+    top.add_argument("--workers", "-n", type=int, help="number of workers (implied by torus:RxC)")
+    top.set_defaults(func=cmd_topology)
+    pr = sub.add_parser("predict", help="predict each variant's step and epoch time and traffic, without training")
+    pr.add_argument("config", help="TOML config, optionally with [[variant]] tables")
+    pr.set_defaults(func=cmd_predict)
+    c = sub.add_parser("compare", help="run a base job's [[variant]]s one after another and report them")
+    c.add_argument("config", help="TOML config: a base job plus [[variant]] tables overriding its keys")
+    c.add_argument("--out", help="folder for the runs and report.html (default runs/<name>-compare-<time>)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key in all")
+    c.set_defaults(func=cmd_compare)
+    ref = sub.add_parser("reference", help="print every strategy's and codec's keys and defaults (markdown)")
+    ref.set_defaults(func=cmd_reference)
+    r = sub.add_parser("report", help="rebuild report.html and summary.csv from the run folders in DIR")
+    r.add_argument("dir", help="a folder `fast compare` wrote (its subfolders hold the runs)")
+    r.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FastError as e:
+        shown = getattr(e, "traceback", None)
+        if shown:  # the user's code raised: its own traceback, once
+            print(shown.rstrip(), file=sys.stderr)
+        print(f"fast: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("fast: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
