@@ -16,6 +16,7 @@ import torch
 import fast
 
 os.environ.setdefault("FAST_PROGRESS", "0")
+os.environ.setdefault("FAST_PRELOAD", "sklearn.datasets")  # examples/ported imports it in every worker
 torch.set_num_threads(1)
 # started in the background (`make test &`), a shell hands its children SIGINT ignored; the Ctrl-C tests need it
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

@@ -59,7 +59,10 @@ def test_a_frozen_worker_never_keeps_the_run_open(tmp_path, no_orphans, strategy
             **{**JOB, "run__deadline_s": 2.0},
         )
     except WorkerFailed as error:
-        assert len(str(error).splitlines()) == 1
+        assert strategy == "gossip" and len(str(error).splitlines()) == 1
     else:
-        assert 2 in [f["worker"] for f in summary["failures"]]
+        lost = [f["worker"] for f in summary["failures"]]
+        # async-ps workers depend on the server only: exactly the frozen one is lost, and every other one's
+        # figures reach the summary, although worker 0 waits for the frozen one at the end first
+        assert lost == [2] if strategy == "async-ps" else 2 in lost
     assert time.monotonic() - started < 45

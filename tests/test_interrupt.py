@@ -14,6 +14,7 @@ import pytest
 
 from fast.comm import bootstrap as engine
 from fast.runtime import checkpoints as checkpoint
+from fast.tools.cli import main
 
 FAST = str(Path(sys.executable).with_name("fast"))  # the command line of this venv
 EVERY = 50  # checkpoint_every: Ctrl-C comes after the checkpoint of step 50, long before the one of step 100
@@ -54,7 +55,7 @@ def _steps(run: Path, rank: int) -> list[int]:
 
 @pytest.mark.parametrize("launcher", [{}, {"run.max_restarts": 2}], ids=["local", "elastic-agent"])
 def test_ctrl_c_stops_every_process_at_once_with_one_line_and_the_run_resumes_on_the_same_port(
-    tmp_path, no_orphans, launcher
+    tmp_path, no_orphans, monkeypatch, launcher
 ):
     run = tmp_path / "run"
     job = {**JOB, **launcher, "run.master_port": engine.free_port()}
@@ -95,15 +96,8 @@ def test_ctrl_c_stops_every_process_at_once_with_one_line_and_the_run_resumes_on
         assert steps[: EVERY + 1] == list(range(1, EVERY + 2)) and len(steps) < 100 * 22
         assert checkpoint.load(checkpoint.checkpoint_path(run, rank, EVERY))["step"] == EVERY
     # right away, on the same port (the elastic agent's rendezvous listens on it): resume for 10 steps more
-    resumed = subprocess.run(
-        [FAST, "train", "--resume", str(run), *_sets({"run.max_steps": EVERY + 10})],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        start_new_session=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    monkeypatch.setenv("FAST_PROGRESS", "0")
+    assert main(["train", "--resume", str(run), *_sets({"run.max_steps": EVERY + 10})]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert (
         summary["steps_per_worker"] == EVERY + 10 and summary["config"]["run"]["master_port"] == job["run.master_port"]

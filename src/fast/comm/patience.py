@@ -109,11 +109,25 @@ class PatientGroup:
                     "gone or stuck (raise run.deadline_s if it is only slow)"
                 ) from None
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, droppable: bool = False) -> None:
-        self.wait(self.comm.isend(tensor, peer, tag=tag, droppable=droppable))
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, droppable: bool = False,
+             deadline_s: float | None = None) -> None:  # fmt: skip
+        self.wait(self.comm.isend(tensor, peer, tag=tag, droppable=droppable), deadline_s)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int, deadline_s: float | None = None) -> torch.Tensor:
         return self.wait(self.comm.irecv(tensor, peer, tag=tag), deadline_s)
+
+    def send_bytes(self, payload: torch.Tensor, peer: int, tag: int, deadline_s: float | None = None) -> None:
+        """A variable-length uint8 payload: its length, then its bytes (as `Comm.send_bytes`)."""
+        self.send(torch.tensor([payload.numel()], dtype=torch.int64), peer, tag, deadline_s=deadline_s)
+        if payload.numel():
+            self.send(payload.contiguous(), peer, tag, deadline_s=deadline_s)
+
+    def recv_bytes(self, peer: int, tag: int, deadline_s: float | None = None) -> torch.Tensor:
+        length = self.recv(torch.zeros(1, dtype=torch.int64), peer, tag, deadline_s)
+        n = int(length.item())
+        if n < 0 or n > (1 << 34):
+            raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+        return self.recv(torch.empty(n, dtype=torch.uint8), peer, tag, deadline_s) if n else torch.empty(0)
 
     def probe(self, peer: int) -> str | None:
         """Why `peer` is gone (its connection is closed), or None if it may be alive; never waits."""

@@ -197,27 +197,27 @@ class Ending:
         return write_outputs(self.run_dir, everyone, model, self._summarize(everyone))
 
     def _gather_from_survivors(self) -> dict[str, Any] | None:
-        """Every live process: hand the run's end to worker 0 (which returns the summary; the others None)."""
-        world, strategy = self.world, self.strategy
+        """Every live process: hand the run's end to worker 0 (which returns the summary; the others None). On the
+        ending line, a process that stays silent past the deadline is given up without breaking the others'."""
+        world, strategy, line = self.world, self.strategy, self.ending_line
         figures = {**self._own_figures(), "failures": strategy.failures}
         replica = None if self.is_server else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         if not self.is_main:
-            with world.unmetered():
-                world.send_bytes(_pack(json.dumps(figures)), 0, tag=END_TAG)
-                world.send_bytes(_pack(replica), 0, tag=END_TAG)
-                # worker 0 may first wait on every other process, then evaluate and write: a longer deadline
-                patient = copy.copy(world)
-                patient.deadline_s = world.deadline_s * (world.size + 2)
-                patient.recv(torch.zeros(1), 0, tag=END_TAG)
+            # worker 0 may first wait on every other process, then evaluate and write: a longer deadline
+            patience = world.deadline_s * (world.size + 2)
+            with line.unmetered():
+                line.send_bytes(_pack(json.dumps(figures)), 0, tag=END_TAG, deadline_s=patience)
+                line.send_bytes(_pack(replica), 0, tag=END_TAG, deadline_s=patience)
+                line.recv(torch.zeros(1), 0, tag=END_TAG, deadline_s=patience)
             return None
         everyone, replicas = [figures], [replica]
-        with world.unmetered():
+        with line.unmetered():
             for rank in range(1, world.size):
                 if rank in strategy.dead:
                     continue
                 try:
-                    everyone.append(json.loads(_unpack(world.recv_bytes(rank, tag=END_TAG)[1])))
-                    theirs = _unpack(world.recv_bytes(rank, tag=END_TAG)[1])
+                    everyone.append(json.loads(_unpack(line.recv_bytes(rank, tag=END_TAG))))
+                    theirs = _unpack(line.recv_bytes(rank, tag=END_TAG))
                 except CommError as e:
                     strategy.lost(rank, self.step, f"end of run: {e}")
                     continue
@@ -232,10 +232,10 @@ class Ending:
             for failure in first_notices([f for p in everyone for f in p["failures"]] + strategy.failures)
         ]
         summary = write_outputs(self.run_dir, everyone, model, summary)
-        with world.unmetered():
+        with line.unmetered():
             for p in everyone[1:]:
                 try:
-                    world.send(torch.ones(1), p["rank"], tag=END_TAG)
+                    line.send(torch.ones(1), p["rank"], tag=END_TAG)
                 except CommError:
                     pass  # it died after handing in its part: nothing left to tell it
         return summary

@@ -33,6 +33,7 @@ from torch import nn
 from fast.assemble import load_config, world_size
 from fast.comm import Comm, tags
 from fast.comm import bootstrap as engine
+from fast.comm.patience import PatientGroup
 from fast.config import Config
 from fast.emulation.deployment import comm_maker, machine_for, network_for
 from fast.errors import ConfigError, FastError, UsageError
@@ -197,6 +198,8 @@ class Job(Evaluating, Checkpointing, Ending):
         self.strategy: Strategy = build_strategy(config, self.context)
         point_to_point = self.strategy.survives_failures
         self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
+        # the end of a run that survives failures: a line on which waiting for a silent process breaks nothing
+        self.ending_line = PatientGroup(self.world) if point_to_point else None
         self.driver = StepDriver(
             self.strategy,
             self.machine,

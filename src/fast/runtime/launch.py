@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fast.errors import CommError, FastError
 
+PRELOAD_VARIABLE = "FAST_PRELOAD"  # more modules the fork server imports once ("sklearn.datasets,transformers")
 GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
 SETTLE_S = 3.0  # seconds the others get to report after a first failure
 SURVIVOR_GRACE_S = 10.0  # seconds the survivors get to exit once rank 0 has ended a run that survives failures
@@ -112,7 +113,8 @@ def _context() -> Any:
     """Processes forked from a server that has imported torch once: starting a worker costs milliseconds, not
     the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["fast.jobs.loop", "torch._dynamo"])
+    preload = [name.strip() for name in os.environ.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
+    ctx.set_forkserver_preload(["fast.jobs.loop", "torch._dynamo", *preload])  # one that does not import is skipped
     return ctx
 
 
@@ -175,8 +177,11 @@ def launch(
                     if proc.exitcode != 0 and fatal and settle_until is None:
                         settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
                     elif survivable and rank == 0 and proc.exitcode == 0 and settle_until is None:
-                        # rank 0 wrote the outputs and released the survivors; one that is frozen (not dead,
-                        # not answering) must not keep the run open: it is stopped after the grace period
+                        # rank 0 wrote the outputs and released the survivors; those it gave up (dead, or frozen:
+                        # alive but not answering) are stopped now, any other after the grace period
+                        outputs.update(_drain(results))
+                        for lost in _given_up(outputs.get(0), len(procs)):
+                            _stop([procs[lost]], grace_s=0.0)
                         settle_until = time.monotonic() + SURVIVOR_GRACE_S
                 outputs.update(_drain(results))
     except KeyboardInterrupt:
@@ -342,12 +347,20 @@ def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> Failure | No
     return min(causes, key=lambda c: (c[0], c[1]))[2] if causes else None
 
 
-def _stop(procs: list[Any]) -> None:
+def _given_up(summary: Any, processes: int) -> list[int]:
+    """The ranks a run's summary records as lost."""
+    failures = summary.get("failures", []) if isinstance(summary, dict) else []
+    return sorted({f["worker"] for f in failures if isinstance(f, dict) and 0 < f.get("worker", 0) < processes})
+
+
+def _stop(procs: list[Any], grace_s: float = GRACE_S) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped (frozen) process handles SIGTERM only once continued
     for p in procs:
-        p.join(GRACE_S)
+        p.join(grace_s)
         if p.is_alive():
             p.kill()
             p.join()
