@@ -5,6 +5,7 @@ redoing at most the steps since that checkpoint; when the restarts are used up t
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 import torch
 
 import fast
-from fast.tools.cli import main
 from tests.outputs import assert_same_model
 
 FAST = str(Path(sys.executable).with_name("fast"))  # the command line of this venv
@@ -92,18 +92,21 @@ def test_a_killed_worker_is_restarted_and_the_run_completes_from_the_last_checkp
             assert summary.get(key) == whole.get(key), key
 
 
-def test_restarts_used_up_end_with_a_one_line_error(tmp_path, no_orphans, capfd, monkeypatch):
-    """Through the command line's code: worker 1 crashes before step 3 (a [faults] crash) in every life, before
-    any checkpoint; after one restart the run ends with one line naming it, and no traceback from torch's agent."""
+def test_restarts_used_up_end_with_a_one_line_error(tmp_path, no_orphans):
+    """Through the command line: worker 1 crashes before step 3 (a [faults] crash) in every life, before any
+    checkpoint; after one restart the run ends with one line naming it, and no traceback from torch's agent."""
     config = tmp_path / "job.toml"
     config.write_text("[[faults.crash]]\nworker = 1\nstep = 3\n")
     sets = [f"{key.replace('__', '.')}={value}" for key, value in JOB.items()]
-    monkeypatch.setenv("FAST_PROGRESS", "0")
-    capfd.readouterr()
-    code = main(["train", str(config), "--out", str(tmp_path / "run"), *(a for s in sets for a in ("--set", s))])
-    stderr = capfd.readouterr().err
-    assert code == 1
-    lines = stderr.splitlines()
-    assert "Traceback" not in stderr and not any(line.startswith("E1") for line in lines), stderr
+    done = subprocess.run(
+        [FAST, "train", str(config), "--out", str(tmp_path / "run"), *(a for s in sets for a in ("--set", s))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FAST_PROGRESS": "0"},
+    )
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert "Traceback" not in done.stderr and not any(line.startswith("E1") for line in lines), done.stderr
     assert lines[-1] == "fast: error: worker 1 failed and 1 restart(s) are used up: exited with code 1", lines
     assert "fast: a worker failed; restart 1 of 1: every worker resumes from its last checkpoint" in lines
