@@ -68,3 +68,13 @@ def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "fast.tools.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "train" in out.stdout
+
+
+def test_options_set_with_a_new_strategy_name_stay_whatever_their_order():
+    """A new strategy.name drops the old strategy's options, but not those given alongside it."""
+    for overrides in (
+        {"strategy__staleness": 3, "strategy__name": "ssp"},
+        {"strategy__name": "ssp", "strategy__staleness": 3},
+    ):
+        config = load_config({"strategy": {"name": "local-sgd", "period": 4}}, **overrides)
+        assert config.strategy.name == "ssp" and config.strategy.options() == {"staleness": 3}

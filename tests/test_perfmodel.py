@@ -148,7 +148,8 @@ def cost(strategy: str, compute_s: float = 0.5, workers: int = N, **options) -> 
         ("sync", {"overlap": 0.5}, StepCost(0.5 + 0.72 - 0.25, 0.5, 0.72, 1.5e6)),
         ("sync", {"overlap": 1.0}, StepCost(0.72, 0.5, 0.72, 1.5e6)),
         ("sync", {"hierarchical": 2, "inner_link": LAN}, StepCost(0.5 + 0.458, 0.5, 0.458, 1.5e6)),
-        ("ssp", {}, StepCost(0.72, 0.5, 0.72, 1.5e6)),
+        ("ssp", {}, StepCost(1.26, 0.5, 3 * 0.42, 3e6)),  # each gradient to each of the 3 peers
+        ("ssp", {"exchange": "all-reduce"}, StepCost(0.72, 0.5, 0.72, 1.5e6)),  # sync's all-reduce, overlapped
         # One server: a worker's push then pull (2 x 0.42 s) against the server's busier direction, 4 shards of
         # n in (pushes) or out (pulls) at 0.4 s each, the two directions overlapping (full duplex).
         ("async-ps", {}, StepCost(1.6, 0.5, 1.6, 2e6)),
@@ -192,6 +193,7 @@ def test_every_strategy_with_a_cost_model_lists_its_options():
         "ea-wild": {"tau": 2},
         "local-sgd": {"period": 2},
         "diloco": {"period": 2},
+        "streaming-diloco": {"period": 4, "fragments": 2},
     }
     required["gossip"] = {"degree": 2}
     built_in = [name for name, cls in priced().items() if cls.__module__.startswith("fast.")]  # not the examples'
@@ -206,7 +208,7 @@ def test_gossip_cost_grows_with_degree():
 
 def test_async_step_is_bound_by_compute_or_communication_whichever_is_longer():
     assert cost("ssp", compute_s=2.0).time_s == 2.0
-    assert cost("ssp", compute_s=0.1).time_s == pytest.approx(0.72)
+    assert cost("ssp", compute_s=0.1).time_s == pytest.approx(1.26)
 
 
 def test_local_sgd_cost_falls_with_the_averaging_period_towards_compute_alone():
@@ -248,7 +250,8 @@ def test_step_cost_rejects_negative_compute_time():
 
 
 def test_rank_by_epoch_time_orders_fastest_first():
-    costs = {name: cost(name, **opts) for name, opts in [("sync", {}), ("ssp", {}), ("async-ps", {})]}
+    ssp = {"exchange": "all-reduce"}
+    costs = {name: cost(name, **opts) for name, opts in [("sync", {}), ("ssp", ssp), ("async-ps", {})]}
     assert rank_by_epoch_time(costs, 100) == ["ssp", "sync", "async-ps"]
     # With per-variant steps (e.g. different batch sizes) fewer, slower steps can win.
     assert rank_by_epoch_time(costs, {"sync": 10, "ssp": 100, "async-ps": 1})[0] == "async-ps"

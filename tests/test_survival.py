@@ -59,7 +59,7 @@ def test_a_worker_killed_mid_run_is_dropped_and_the_survivors_finish(tmp_path, n
     assert [f["worker"] for f in failures] == [2]
     assert failures[0]["step"] is not None and failures[0]["step"] <= DIES_AT
     assert failures[0]["time_s"] >= 0 and failures[0]["how"]
-    assert summary["final_test_accuracy"] > 0.75
+    assert summary["final_test_accuracy"] > 0.7  # over 10 seeds, the lowest: async-ps 0.82 (sd 0.035)
     assert summary["evaluations"][-1]["step"] == summary["steps_per_worker"]
     assert (tmp_path / "model.pt").exists()
 
@@ -92,7 +92,7 @@ def test_a_crash_on_emulated_links_is_survived_too(tmp_path, no_orphans):
     links = {"network__bandwidth": "1Gbit", "network__latency": "1ms", "faults__crash": [{"worker": 2, "step": 9}]}
     summary = fast.train(None, out=str(tmp_path), **JOB, **links, strategy__name="push-sum", strategy__topology="ring")
     assert [f["worker"] for f in summary["failures"]] == [2]
-    assert summary["final_test_accuracy"] > 0.85
+    assert summary["final_test_accuracy"] > 0.8  # over 10 seeds: 0.87 to 0.94
 
 
 def test_sync_easgd_needs_every_worker_so_a_death_ends_the_run(tmp_path, no_orphans):

@@ -23,6 +23,7 @@ from fast.codecs.frame import (
     unpack_frame,
 )
 from fast.codecs.packing import BodyReader, tensor_bytes
+from fast.comm import timeline
 from fast.errors import ConfigError, FrameError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -66,6 +67,7 @@ class Codec:
         numel = math.prod(shape)
         return numel == 0 or numel < self.min_elements
 
+    @timeline.timed("encode")
     def encode(self, x: torch.Tensor, key: str = "") -> torch.Tensor:
         """The frame for `x`; `key` names the tensor for codecs that keep state per tensor."""
         x = self._check_input(x)
@@ -74,6 +76,7 @@ class Codec:
             return pack_frame(RAW_CODEC_ID, x.dtype, shape, tensor_bytes(x).cpu())
         return pack_frame(self.codec_id, x.dtype, shape, self._encode_body(x, key).cpu())
 
+    @timeline.timed("encode")
     def encode_and_decode(self, x: torch.Tensor, key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         """The frame for `x` and the tensor a receiver decodes from it (on x's device), in one pass."""
         x = self._check_input(x)
@@ -91,6 +94,7 @@ class Codec:
         """What a receiver sees of `x`: decode(encode(x)). Counts as a step for stateful codecs."""
         return self.encode_and_decode(x, key)[1]
 
+    @timeline.timed("decode")
     def decode(self, frame: torch.Tensor | bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> torch.Tensor:
         """The tensor in `frame`; FrameError if the frame is damaged or was not made by this codec."""
         parts = unpack_frame(frame, max_bytes=max_bytes)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fast.comm import timeline
 from fast.comm.accounting import ByteCounter
 from fast.comm.waiting import waiting
 from fast.errors import CommError, CommTimeout
@@ -170,9 +171,11 @@ class Comm:
 
         return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
 
+    @timeline.timed("send")
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
         self.isend(tensor, dst, tag, droppable).wait()
 
+    @timeline.timed("recv")
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
         return self.irecv(tensor, src, tag).wait()
 

@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from fast.comm import timeline
+
 _local = threading.local()
 
 
@@ -22,7 +24,11 @@ def waiting() -> Iterator[None]:
     _local.depth = depth + 1
     started = time.perf_counter()
     try:
-        yield
+        if depth:
+            yield
+        else:
+            with timeline.span("wait", "wait"):
+                yield
     finally:
         _local.depth = depth
         if depth == 0:

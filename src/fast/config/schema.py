@@ -51,6 +51,7 @@ class RunConfig(Section):
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (gradient accumulation)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description='"bf16": forward and loss under bf16 autocast')
     tensorboard: bool = Field(False, description="TensorBoard event files in <run>/tensorboard")
+    trace: bool = Field(False, description="a Chrome/Perfetto trace of every worker's spans in <run>/trace.json")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
 
@@ -231,8 +232,10 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Set dotted keys (`run.workers`, `strategy.staleness`) in a nested dict, creating tables as needed."""
-    for dotted, value in overrides.items():
+    """Set dotted keys (`run.workers`, `strategy.staleness`) in a nested dict, creating tables as needed. A new
+    strategy or codec `name` drops the old one's options, so names go first: the options given with it stay."""
+    names_first = sorted(overrides.items(), key=lambda item: not item[0].endswith(".name"))
+    for dotted, value in names_first:
         parts = dotted.split(".")
         if len(parts) < 2 or not all(parts):
             raise ConfigError(f"override `{dotted}` must name a table and a key, e.g. run.workers=4")

@@ -315,9 +315,6 @@ class EmulatedComm(Comm):
             return stamp.deliver_at
         return self.network.arrival(src, nbytes, stamp.deliver_at)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
-        self.isend(tensor, dst, tag, droppable).wait()
-
     def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
         handle, peer = self._irecv(tensor, None, tag)
         handle.wait()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from fast.comm.timeline import Timeline
+
 
 class Clock:
-    def __init__(self, offset: float = 0.0) -> None:
+    def __init__(self, offset: float = 0.0, timeline: Timeline | None = None) -> None:
         self.start = time.perf_counter() - offset
         self.paused = 0.0
+        self.timeline = timeline  # its shares count training time only, as this clock does
 
     def now(self) -> float:
         return time.perf_counter() - self.start - self.paused
@@ -20,6 +24,7 @@ class Clock:
         """Time spent inside is not training time."""
         started = time.perf_counter()
         try:
-            yield
+            with self.timeline.paused() if self.timeline is not None else contextlib.nullcontext():
+                yield
         finally:
             self.paused += time.perf_counter() - started

@@ -27,6 +27,7 @@ from torch import nn
 
 import fast
 from fast.comm import tags
+from fast.comm.timeline import shares, write_chrome_trace
 from fast.emulation.deployment import describe as describe_deployment
 from fast.emulation.deployment import emulated, record_of
 from fast.errors import CommError, ConfigError, UsageError
@@ -87,10 +88,20 @@ def write_outputs(
     os.replace(tmp, run_dir / "metrics.jsonl")
     if model is not None:
         checkpoint.save_atomic({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt")
+    if summary.get("config", {}).get("run", {}).get("trace"):
+        write_chrome_trace(run_dir / "trace.json", sorted((run_dir / "workers").glob("trace-*.json")))
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
     return summary
+
+
+def mean_shares(each: list[dict[str, float]]) -> dict[str, float] | None:
+    """The workers' mean share of their training time per category (fast.comm.timeline)."""
+    each = [s for s in each if s]
+    if not each:
+        return None
+    return {key: round(sum(s[key] for s in each) / len(each), 4) for key in each[0]}
 
 
 class Ending:
@@ -144,6 +155,7 @@ class Ending:
         # training time ends at the last step: the end of the run may wait for other workers (an asynchronous peer
         # still training, worker 0 still evaluating), which is not this worker's training
         self.trained_s = self.clock.now()
+        self.timeline.stop_counting()
         self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
         self.strategy.end_of_run()
         self.records.close()
@@ -166,13 +178,14 @@ class Ending:
 
     def _own_figures(self) -> dict[str, Any]:
         """What this process contributes to the summary."""
+        compensation = self.strategy.compensation.figures() if self.strategy.compensation is not None else {}
         own: dict[str, Any] = {
             "rank": self.rank,
             "server": self.is_server,
             "records": self.records.records,
             "staleness": self.strategy.staleness,
             "counter": self.world.counter.snapshot(),
-            "strategy": self.strategy.summary(),
+            "strategy": {**self.strategy.summary(), **compensation},
             "steps": 0 if self.is_server else self.step,
             "skipped_steps": self.skipped_steps,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
@@ -180,6 +193,11 @@ class Ending:
         }
         if emulated(self.config):
             own["deployment"] = record_of(self.machine, self.world)
+        if self.is_worker:
+            own["timeline"] = dict(self.timeline.seconds)
+        if self.config.run.trace:  # this process's part of trace.json, which worker 0 puts together
+            part = self.run_dir / "workers" / f"trace-{self.rank}.json"
+            part.write_text(json.dumps(self.timeline.chrome_events(self.role)))
         if self.is_worker and self.strategy.replicas_differ and self._eval_fn is not None:
             with self.driver.evaluation():
                 own["own_metrics"] = metrics_of(self._eval_fn, self.model)
@@ -355,6 +373,7 @@ class Ending:
             "config": config.to_dict(),
             "env": environment(),
             "step_compute_s": compute_s,
+            "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }
         for name in metric_names:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fast.assemble import load_config, world_size
-from fast.comm import Comm, tags
+from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
 from fast.comm.patience import PatientGroup
 from fast.config import Config
@@ -164,6 +164,8 @@ class Job(Evaluating, Checkpointing, Ending):
         role = f"server {self.rank - self.workers + 1}/{self.world_size - self.workers}" if self.is_server else (
             f"worker {self.rank}/{self.workers}")  # fmt: skip
         name_process(f"fast {role} {strategy_name} ({run.name})")
+        self.role = role
+        self.timeline = timeline.start(self.rank, keep_events=run.trace)
         threads = run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size)
         torch.set_num_threads(threads)
         if self.is_main:
@@ -277,7 +279,8 @@ class Job(Evaluating, Checkpointing, Ending):
         offset = self._restore() if self.resuming else 0.0
         self.world.barrier()  # the common start, servers included
         self.machine.start(self.world)
-        self.clock = Clock(offset)
+        self.clock = Clock(offset, self.timeline)
+        self.timeline.count_from_now()
         self.trained_s = offset
         return model, optimizer
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fast.comm import timeline
 from fast.strategies import Strategy
 
 
@@ -47,6 +48,7 @@ class StepDriver:
         self.step = 0  # the step under way (steps done so far)
         self.began = self.backward_done = self.callback_queued = False
         self.bad = False
+        self.computing = False  # a compute span is open (fast.comm.timeline)
         self.accumulating = False
         self.evaluating = False
         self._casting: Any = None
@@ -114,8 +116,11 @@ class StepDriver:
         if self.on_begin is not None:
             self.on_begin()
         self.machine.before_step(self.step)  # emulated crash, straggler pause, slowdown
-        self.strategy.before_step(self.step)
+        with timeline.span("strategy.before_step", "communicate"):
+            self.strategy.before_step(self.step)
         self.began = True
+        timeline.open_span("forward+backward", "compute")
+        self.computing = True
 
     def _gradient_ready(self) -> None:
         if self.callback_queued or self.accumulating:
@@ -131,13 +136,15 @@ class StepDriver:
 
     def gradients_done(self) -> None:
         """The step's gradients are all in: keep a non-finite one from leaving this worker, then the strategy."""
+        self._computed()
         if not self.strategy.checks_gradients:
             grads = [p.grad for p in self.params if p.grad is not None]
             if not all_finite(grads):
                 self.bad = True
                 for g in grads:
                     g.zero_()
-        self.strategy.after_backward(self.step)
+        with timeline.span("strategy.after_backward", "communicate"):
+            self.strategy.after_backward(self.step)
         self.bad = self.bad or self.strategy.gradients_were_bad
         self.backward_done = True
 
@@ -151,9 +158,20 @@ class StepDriver:
                 p.grad = None
         elif self.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+        self.strategy.before_optimizer_step()
+        timeline.open_span("optimizer", "compute")
+        self.computing = True
+
+    def _computed(self) -> None:
+        """The compute span under way (forward and backward, or the optimizer's step) ends."""
+        if self.computing:
+            timeline.close_span()
+            self.computing = False
 
     def _optimizer_ends(self) -> None:
-        self.strategy.after_optimizer_step(self.step)
+        self._computed()
+        with timeline.span("strategy.after_optimizer_step", "communicate"):
+            self.strategy.after_optimizer_step(self.step)
         self.machine.after_step()  # times the step's own work, its communication waits left out
         bad = self.bad
         self.step += 1

@@ -45,6 +45,7 @@ from fast.comm import MessageLost
 from fast.errors import CommError
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import PEER_OPTIONS, peer_messages, without_barrier
+from fast.strategies.base import CompensationOptions
 from fast.strategies.flat import FlatState
 from fast.strategies.peers import AsyncPeers, PeerChoice, PeerOptions
 
@@ -53,7 +54,7 @@ REQUEST, ANSWER = 0, 2
 MISSED, ANSWERED = 0.0, 1.0
 
 
-class ADPSGDOptions(PeerOptions):
+class ADPSGDOptions(PeerOptions, CompensationOptions):
     peers_per_round: int = Field(1, ge=1, description="neighbours averaged with, one after another, per step")
 
 

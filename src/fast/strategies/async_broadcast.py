@@ -39,12 +39,12 @@ from torch import nn
 from fast.errors import CommError
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import without_barrier
-from fast.strategies.base import StrategyOptions
+from fast.strategies.base import CompensationOptions
 from fast.strategies.flat import FlatState
 from fast.strategies.peers import AsyncPeers
 
 
-class AsyncBroadcastOptions(StrategyOptions):
+class AsyncBroadcastOptions(CompensationOptions):
     max_delay_ms: float = Field(0.0, ge=0, description="emulated delay: updates wait a random 0..max_delay_ms")
     scale: Literal["mean", "sum"] = Field("mean", description="apply and send 1/N of each step, or all of it")
 

@@ -29,7 +29,7 @@ from fast.errors import ConfigError
 from fast.exchange.encoded import isend_encoded, recv_encoded
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import count, server_exchange_s
-from fast.strategies.base import ModelLayout, StrategyOptions
+from fast.strategies.base import CompensationOptions, ModelLayout
 from fast.strategies.flat import FlatState, flat_gradients
 from fast.strategies.server import DONE as DONE_REQUEST
 from fast.strategies.server import MARKER, WORK, Line, Request, ServerStrategy
@@ -41,7 +41,7 @@ PUSH, PULL, DONE, CHECKPOINT = 1, 2, 3, 4
 HEADER_TAG, PAYLOAD_TAG, FINAL_TAG, STATS_TAG = 11, 12, 13, 15
 
 
-class AsyncPSOptions(StrategyOptions):
+class AsyncPSOptions(CompensationOptions):
     servers: int = Field(1, ge=1, description="server processes; the parameters are sharded across them")
     push_every: int = Field(1, ge=1, description="steps between gradient pushes")
     pull_every: int = Field(1, ge=1, description="steps between weight pulls")
@@ -101,6 +101,7 @@ class AsyncPS(ServerStrategy):
         self.steps_since_push = self.done_steps = 0
         self.lost_from = [0] * len(self.servers)  # pulls whose answer was lost, per server
         self.totals: dict[str, int] = {}  # the servers' figures, handed over at the end
+        self.compensation = None  # the servers' momentum is compensated (fast.strategies.shard), not the workers'
         if self.comm.index() == 0:  # the servers start from the workers' common initial weights
             flat = self.params.read()
             with self.line.unmetered():
@@ -190,7 +191,7 @@ class AsyncPS(ServerStrategy):
             self.codec.load_state_dict(state["codec"])
 
     def summary(self) -> dict[str, Any]:  # a server's updates applied; a worker's totals over the servers
-        return {"server_updates": self.live.version} if self.ctx.rank >= self.ctx.workers else dict(self.totals)
+        return self.live.figures_for_summary() if self.ctx.rank >= self.ctx.workers else dict(self.totals)
 
     def open(self, layout: ModelLayout) -> ShardState:
         self._layout(layout.parameters)
@@ -198,7 +199,7 @@ class AsyncPS(ServerStrategy):
         with self.line.unmetered():
             shard = self.line.recv(torch.empty(end - start, device=self.ctx.device), 0, FINAL_TAG)
         cfg, lr = self.ctx.config.optimizer, self.options.server_lr
-        return ShardState(shard, self.options, lr or cfg.lr, cfg.weight_decay, self.ctx.workers)
+        return ShardState(shard, self.options, lr or cfg.lr, cfg.weight_decay, self.ctx.workers, cfg.momentum)
 
     def lines(self) -> list[Line]:
         return [Line(self.line.comm, None, self._read)]

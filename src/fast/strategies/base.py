@@ -13,30 +13,18 @@ import warnings
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
 from torch import nn
 
 from fast.codecs import Codec
 from fast.comm import tags
-from fast.config import Config, Section
+from fast.config import Config
 from fast.errors import ConfigError
 from fast.exchange.allreduce import worker_codec
 from fast.perfmodel import Link, StepCost
-from fast.strategies.context import ModelLayout, StrategyContext, pick_replica
+from fast.strategies.compensation import CompensationOptions, MomentumCompensation
+from fast.strategies.context import ModelLayout, StrategyContext, StrategyOptions, pick_replica
 
-
-class StrategyOptions(Section):
-    """Keys every strategy accepts; subclasses add their own."""
-
-    name: str
-    final_model: str = Field("average", description='"average" | "best" | "worker:K" (where replicas differ)')
-
-    @field_validator("final_model")
-    @classmethod
-    def _final_model(cls, value: str) -> str:
-        if value in ("average", "best") or (value.startswith("worker:") and value[7:].isdigit()):
-            return value
-        raise ValueError('expected "average", "best" or "worker:K"')
+__all__ = ["CompensationOptions", "ModelLayout", "Strategy", "StrategyContext", "StrategyOptions"]
 
 
 class Strategy:
@@ -117,6 +105,7 @@ class Strategy:
         self.accumulating = False  # inside job.no_sync(): a backward only accumulates gradients
         self.contributing = True  # False in a step without data (a worker that finished early): send nothing of it
         self.gradients_were_bad = False  # set by strategies that `checks_gradients`, per step
+        self.compensation: MomentumCompensation | None = None
 
     def make_codec(self) -> Codec | None:
         """This worker's codec from `[codec]` (fast.exchange.allreduce.worker_codec), or None for dense."""
@@ -145,6 +134,8 @@ class Strategy:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Called once before training: every worker starts from rank 0's weights."""
         self.model, self.optimizer = model, optimizer
+        if getattr(self.options, "momentum_compensation", False):
+            self.compensation = MomentumCompensation(optimizer)
         with self.comm.unmetered():
             for tensor in model.state_dict().values():
                 if tensor.is_floating_point() or tensor.dtype in (torch.int64, torch.int32):
@@ -158,6 +149,11 @@ class Strategy:
 
     def after_optimizer_step(self, step: int) -> None:
         """The optimizer has updated the replica."""
+
+    def before_optimizer_step(self) -> None:
+        """The job calls it before each optimizer step: asynchrony-aware momentum, where the options ask for it."""
+        if self.compensation is not None:
+            self.compensation.update(self.staleness)
 
     def end_of_run(self) -> None:
         """After the last step, before the final model is chosen (flush, stop threads, tell servers)."""

@@ -1,5 +1,5 @@
-"""What a strategy is given: its context (groups, config, rank, a seeded generator), the model's layout that server
-processes know, and which replica `final_model` reports."""
+"""What a strategy is given: the options every strategy takes, its context (groups, config, rank, a seeded
+generator), the model's layout that server processes know, and which replica `final_model` reports."""
 
 from __future__ import annotations
 
@@ -8,10 +8,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 
 from fast.comm import Comm
-from fast.config import Config
+from fast.config import Config, Section
+
+
+class StrategyOptions(Section):
+    """Keys every strategy accepts; subclasses add their own."""
+
+    name: str
+    final_model: str = Field("average", description='"average" | "best" | "worker:K" (where replicas differ)')
+
+    @field_validator("final_model")
+    @classmethod
+    def _final_model(cls, value: str) -> str:
+        if value in ("average", "best") or (value.startswith("worker:") and value[7:].isdigit()):
+            return value
+        raise ValueError('expected "average", "best" or "worker:K"')
 
 
 def pick_replica(choice: str, ranks: list[int], workers: int, scores: Callable[[], list[float]]) -> int | None:

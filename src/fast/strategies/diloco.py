@@ -21,12 +21,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fast.strategies.base import StrategyOptions
 from fast.strategies.flat import FlatState
-from fast.strategies.periodic import PeriodicAveraging
+from fast.strategies.periodic import PeriodicAveraging, WarmupOptions
 
 
-class DiLoCoOptions(StrategyOptions):
+class DiLoCoOptions(WarmupOptions):
     period: int = Field(16, ge=1, description="inner steps per round (H in the paper)")
     outer_lr: float = Field(0.7, gt=0, description="learning rate of the outer optimizer")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="momentum of the outer optimizer")
@@ -50,12 +49,13 @@ class DiLoCo(PeriodicAveraging):
             nesterov=o.outer_nesterov and o.outer_momentum > 0,
         )
         self.rounds = 0
-        self.last_step = -1
         self.last_round_step = -1
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
-        if (step + 1) % self.options.period == 0:
+        if self.local_steps(step) == 0:  # the warm-up's last step: the replicas agree, and θ starts from them
+            self.theta.copy_(self.params.read())
+        elif self.local_steps(step) > 0 and self.local_steps(step) % self.options.period == 0:
             self.outer_step()
 
     @torch.no_grad()
@@ -75,7 +75,7 @@ class DiLoCo(PeriodicAveraging):
         self.last_round_step = self.last_step
 
     def end_of_run(self) -> None:
-        if self.last_round_step != self.last_step:
+        if not self.warming_up(self.last_step) and self.last_round_step != self.last_step:
             self.outer_step()
 
     def final_model(self, choice: str | None = None) -> nn.Module:

@@ -8,21 +8,18 @@ w̃ ← w̃ + ηρ(wʲ − w̃) for each arriving group without a lock (one hand
 center tensor in place), and every member applies the elastic pull wʲ ← wʲ − ηρ(wʲ − w̃) on top of its
 optimizer's step, so with plain SGD one step is the paper's wʲ ← wʲ − ηρ(wʲ − w̃) − ηΔwʲ. η is the
 optimizer's learning rate, ρ is `rho`. The exchange starts before the forward pass and completes after the
-optimizer step, so it overlaps the gradient computation. Floating-point buffers (batch-norm statistics)
-travel and are averaged with the parameters.
+optimizer step, so it overlaps the gradient computation. Floating-point buffers travel with the parameters.
 
-Staleness, recorded by the master for each center update: the updates other groups made to the center since
-this group's previous exchange. The reported model is the center: at the end the master sends its final
-center to every group and every replica loads it. During training rank 0 evaluates the last center it got.
+Staleness, recorded by the master for each center update (and sent back with the center under
+`momentum_compensation`): the updates other groups made to the center since this group's previous exchange.
+The reported model is the center (the master's final one, sent to every group); rank 0 evaluates its last one.
 
-It runs on the server protocol (fast.strategies.server) with a line per group: a group whose link closes (or that
-stays silent past the deadline) is recorded and forgotten, its last exchanges staying in the center, and the
-others go on. A group trains synchronously, so a member's death ends its whole group; rank 0's stays fatal.
-
-Checkpoints: a worker's holds the last center it received; the master's (`fast.strategies.elastic.CenterState`)
-is a consistent snapshot cut by the CHECKPOINT markers each leader sends on its own link after its checkpoint
-of a step (fast.strategies.snapshots: the handlers still race on the live center, but a copy is only taken while
-no update is under way). Groups at their own pace may hold no step in common; then each process resumes from
+On the server protocol (fast.strategies.server) with a line per group: a group whose link closes (or that stays
+silent past the deadline) is forgotten, its last exchanges staying in the center, and the others go on. A group
+trains synchronously, so a member's death ends its whole group; rank 0's stays fatal. Checkpoints: a worker's
+holds the last center it received; the master's (`fast.strategies.elastic.CenterState`) is a consistent snapshot
+cut by the CHECKPOINT markers each leader sends on its own link after its checkpoint of a step
+(fast.strategies.snapshots). Groups at their own pace may hold no step in common; then each process resumes from
 its own newest file (`stops_alone`).
 """
 
@@ -40,7 +37,7 @@ from fast.errors import CommError, ConfigError
 from fast.perfmodel import Link, StepCost, allreduce_cost
 from fast.perfmodel.allreduce import group_sizes
 from fast.perfmodel.step import count, server_exchange_s
-from fast.strategies.base import ModelLayout, StrategyOptions
+from fast.strategies.base import CompensationOptions, ModelLayout
 from fast.strategies.elastic import CenterState, center_model
 from fast.strategies.flat import FlatState, flat_gradients, write_gradients
 from fast.strategies.server import DONE as DONE_REQUEST
@@ -50,7 +47,7 @@ EXCHANGE, DONE, CHECKPOINT = 1, 2, 3  # a header; CHECKPOINT is followed by the 
 TAG, FINAL_TAG = 21, 22
 
 
-class EAWildOptions(StrategyOptions):
+class EAWildOptions(CompensationOptions):
     rho: float = Field(2.0, gt=0, description="elastic coefficient ρ; the moving rate is optimizer.lr * rho")
     tau: int = Field(1, ge=1, description="steps between exchanges with the master")
     group_size: int = Field(1, ge=1, description="workers per synchronous group; must divide run.workers")
@@ -101,11 +98,8 @@ class EAWild(ServerStrategy):
         self.group: Comm | None = None
         if size > 1:
             self.group = self.world.subgroups([list(range(r, r + size)) for r in self.leaders])
-        self.links: dict[int, Comm] = {}  # leader -> its own link with the master
-        for leader in self.leaders:
-            link = self.world.subgroups([[leader, self.master]])
-            if link is not None:
-                self.links[leader] = link
+        links = {leader: self.world.subgroups([[leader, self.master]]) for leader in self.leaders}  # in order
+        self.links: dict[int, Comm] = {leader: link for leader, link in links.items() if link is not None}
         self.center = center
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -119,6 +113,7 @@ class EAWild(ServerStrategy):
         self.received_center = False
         self.pending: list[Any] = []
         self.done_steps = 0
+        self.exchange_staleness = torch.zeros(1, dtype=torch.int64)
         if self.ctx.rank == 0:  # the master starts from the workers' common initial weights
             with self.world.unmetered():
                 self.link.send(self.center, self.master, tag=TAG)
@@ -134,6 +129,8 @@ class EAWild(ServerStrategy):
                 self.link.isend(self.sent, self.master, tag=TAG),
                 self.link.irecv(self.center, self.master, tag=TAG),
             ]
+            if self.options.momentum_compensation:  # and the exchange's staleness, for asynchrony-aware momentum
+                self.pending.append(self.link.irecv(self.exchange_staleness, self.master, tag=TAG))
 
     def after_backward(self, step: int) -> None:
         if self.group is None:
@@ -160,6 +157,10 @@ class EAWild(ServerStrategy):
                 raise self._group_broken(e) from None
         self.received_center = True
         self.state.add((self.center - self.sent).mul_(self.alpha))
+        if self.options.momentum_compensation:  # the leader's measure holds for its whole group
+            if self.group is not None:
+                self.group.broadcast(self.exchange_staleness, src=self.leader)
+            self.staleness.append(int(self.exchange_staleness))
 
     def _group_broken(self, cause: CommError) -> CommError:
         why = "a group trains synchronously, so it stops (the others go on, unless it holds worker 0)"
@@ -226,11 +227,16 @@ class EAWild(ServerStrategy):
         """The center before this group's update goes back; w̃ ← w̃ + ηρ(wʲ − w̃), racing the other handlers (on
         the live center, and on a snapshot under way)."""
         leader, index = request.sender, self.leaders.index(request.sender)
-        reply = self.links[leader].isend(self.center.clone(), leader, tag=TAG)
+        link = self.links[leader]
+        replies = [link.isend(self.center.clone(), leader, tag=TAG)]
+        if self.options.momentum_compensation:  # updates by the other groups since this one's previous exchange
+            staleness = torch.tensor([self.live.total() - self.live.seen[index]], dtype=torch.int64)
+            replies.append(link.isend(staleness, leader, tag=TAG))
         with self.snapshots.applying(index) as states:
             for state in states:
                 state.apply(index, request.data, self.alpha)
-        reply.wait()
+        for reply in replies:
+            reply.wait()
 
     def farewell(self, leader: int) -> None:
         self.links[leader].send(self.center, leader, tag=FINAL_TAG)

@@ -18,14 +18,12 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from fast.strategies.base import StrategyOptions
-from fast.strategies.flat import FlatState, flat_gradients, write_gradients
-from fast.strategies.periodic import PeriodicAveraging
+from fast.strategies.flat import FlatState
+from fast.strategies.periodic import PeriodicAveraging, WarmupOptions
 
 
-class LocalSGDOptions(StrategyOptions):
+class LocalSGDOptions(WarmupOptions):
     period: int = Field(8, ge=1, description="local steps between two averagings of the replicas")
-    warmup_steps: int = Field(0, ge=0, description="synchronous steps (averaged gradients) before local SGD")
 
 
 class LocalSGD(PeriodicAveraging):
@@ -35,22 +33,14 @@ class LocalSGD(PeriodicAveraging):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_model(model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
         if self.compressed is not None:
             self.anchor = self.state.read().clone()  # the last average, the same on every worker
         self.averagings = 0
-        self.last_step = -1
         self.last_averaged = -1
-
-    def after_backward(self, step: int) -> None:
-        if step < self.options.warmup_steps:
-            grads = flat_gradients(self.params)
-            self.mean(grads, "gradients", [p.shape for p in self.params])
-            write_gradients(self.params, grads)
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
-        local_steps = step + 1 - self.options.warmup_steps
+        local_steps = self.local_steps(step)
         if local_steps > 0 and local_steps % self.options.period == 0:
             self.average()
 
@@ -69,8 +59,8 @@ class LocalSGD(PeriodicAveraging):
         self.last_averaged = self.last_step
 
     def end_of_run(self) -> None:
-        in_warmup = self.last_step < self.options.warmup_steps  # gradients were averaged: replicas agree
-        if not in_warmup and self.last_averaged != self.last_step:
+        # in the warm-up gradients were averaged: the replicas agree
+        if not self.warming_up(self.last_step) and self.last_averaged != self.last_step:
             self.average()
 
     def state_dict(self) -> dict[str, Any]:

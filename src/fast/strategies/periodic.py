@@ -1,24 +1,33 @@
-"""What the periodic-averaging strategies (`local-sgd`, `diloco`) share: which codecs they take, their cost model,
-and the compressed all-reduce their rounds go through."""
+"""What the periodic-averaging strategies (`local-sgd`, `diloco`, `streaming-diloco`) share: which codecs they
+take, their cost model, the compressed all-reduce their rounds go through, and an optional warm-up of
+synchronous steps before the first local one (post-local SGD, Lin et al. 2020; DeepSpeed's `freeze_step`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from fast.codecs import Codec
 from fast.exchange.allreduce import CompressedAllReduce
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import COLLECTIVE_OPTIONS, periodic
-from fast.strategies.base import Strategy
+from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.flat import flat_gradients, write_gradients
+
+
+class WarmupOptions(StrategyOptions):
+    warmup_steps: int = Field(0, ge=0, description="synchronous steps (averaged gradients) before the first local one")
 
 
 class PeriodicAveraging(Strategy):
-    """A strategy that averages something (replicas, pseudo-gradients) every `period` steps."""
+    """A strategy that averages something (replicas, pseudo-gradients) every `period` local steps, after
+    `warmup_steps` steps that average gradients (the codec applies to those too)."""
 
     cost_options = COLLECTIVE_OPTIONS | {"period"}
+    overlapped: ClassVar[bool] = False  # True: rounds run behind the next steps (their exchange in the background)
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
@@ -31,7 +40,23 @@ class PeriodicAveraging(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         codec = self.make_codec()
-        self.compressed = CompressedAllReduce(self.comm, codec) if codec is not None else None
+        overlapped = self.overlapped
+        self.compressed = CompressedAllReduce(self.comm, codec, background=overlapped) if codec is not None else None
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.last_step = -1
+
+    def warming_up(self, step: int) -> bool:
+        return step < self.options.warmup_steps
+
+    def local_steps(self, step: int) -> int:
+        """Local steps done once step `step` is."""
+        return step + 1 - self.options.warmup_steps
+
+    def after_backward(self, step: int) -> None:
+        if self.warming_up(step):
+            grads = flat_gradients(self.trainable)
+            self.mean(grads, "gradients", [p.shape for p in self.trainable])
+            write_gradients(self.trainable, grads)
 
     def mean(self, tensor: torch.Tensor, key: str, shapes: list[torch.Size]) -> None:
         """Average `tensor` (the flat `shapes`) over the workers in place: through the run's codec, with its error

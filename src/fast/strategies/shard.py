@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fast.strategies.compensation import MomentumCompensation
+
 
 def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges that split `numel` elements into `shards` near-equal parts."""
@@ -39,13 +41,18 @@ class ShardState:
     """What a server's updates depend on: its shard of the weights, its optimizer, how many updates it has
     applied (from each worker), the version each worker last pulled and (DC-ASGD) the weights it pulled.
     This is what a server checkpoints. `options` are async-ps's (server_momentum, staleness_lr,
-    delay_compensation)."""
+    delay_compensation, momentum_compensation); under momentum_compensation the servers aim at the run's own
+    `momentum`, lowered by the implicit momentum of the staleness they measure."""
 
-    def __init__(self, shard: torch.Tensor, options: Any, lr: float, weight_decay: float, workers: int):
+    def __init__(self, shard: torch.Tensor, options: Any, lr: float, weight_decay: float, workers: int,
+                 momentum: float = 0.0):  # fmt: skip
         self.options, self.lr, self.weight_decay, self.workers = options, lr, weight_decay, workers
+        self.momentum = momentum
         self.shard = nn.Parameter(shard)
-        momentum = options.server_momentum
-        self.optimizer = torch.optim.SGD([self.shard], lr=lr, momentum=momentum, weight_decay=weight_decay)
+        compensating = getattr(options, "momentum_compensation", False)
+        target = momentum if compensating else options.server_momentum
+        self.optimizer = torch.optim.SGD([self.shard], lr=lr, momentum=target, weight_decay=weight_decay)
+        self.compensation = MomentumCompensation(self.optimizer) if compensating else None
         self.version = 0  # updates applied to this shard
         self.pulled_version = dict.fromkeys(range(workers), 0)
         self.updates_from = dict.fromkeys(range(workers), 0)
@@ -68,6 +75,8 @@ class ShardState:
             staleness_lr=self.options.staleness_lr,
             dc_lambda=self.options.delay_compensation,
         )
+        if self.compensation is not None:
+            self.compensation.update(self.staleness)
         self.optimizer.step()
         self.shard.grad = None
         self.version += 1
@@ -87,6 +96,10 @@ class ShardState:
     def figures(self) -> torch.Tensor:
         """pushes, lost pushes, pulls and lost pulls, in that order."""
         return torch.tensor([self.version + self.lost_pushes, self.lost_pushes, self.pulls, self.lost_pulls])
+
+    def figures_for_summary(self) -> dict[str, Any]:
+        compensation = self.compensation.figures() if self.compensation is not None else {}
+        return {"server_updates": self.version, **compensation}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +129,7 @@ class ShardState:
         self.lost_pulls = int(state.get("lost_pulls", 0))
 
     def copy(self) -> ShardState:
-        twin = ShardState(self.shard.detach().clone(), self.options, self.lr, self.weight_decay, self.workers)
+        twin = ShardState(self.shard.detach().clone(), self.options, self.lr, self.weight_decay, self.workers,
+                          self.momentum)  # fmt: skip
         twin.load_state_dict(self.state_dict())
         return twin

@@ -1,5 +1,8 @@
 """`ssp`: stale-synchronous parallel (Ho et al. 2013; Langer et al. 2020 Sec. 3.3.4) with staleness bound `staleness`.
 
+This file is the `exchange = "broadcast"` form (Statement 1 of Viviani et al.); `exchange = "all-reduce"` sends
+`sync`'s bytes instead (fast.strategies.ssp_allreduce).
+
 Every worker keeps a clock, its step count. After backward it sends its gradient of step t to every other
 worker and applies, through its own optimizer, the mean (1/N) of its own gradient and of every peer gradient
 of step ≤ t that has arrived and was not applied yet; a peer gradient that comes late is folded into the
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -31,16 +34,19 @@ from torch import nn
 from fast.comm import Handle
 from fast.errors import CommError, CommTimeout
 from fast.perfmodel import Link, StepCost
-from fast.perfmodel.step import COLLECTIVE_OPTIONS, collective, without_barrier
-from fast.strategies.base import Strategy, StrategyOptions
+from fast.perfmodel.step import COLLECTIVE_OPTIONS, without_barrier
+from fast.strategies.base import CompensationOptions, Strategy
 from fast.strategies.flat import flat_gradients, write_gradients
 
 HEADER, BODY = 0, 1  # tags: a header holds the step (END closes the stream), the body the gradient
 END = -1
 
 
-class SSPOptions(StrategyOptions):
+class SSPOptions(CompensationOptions):
     staleness: int = Field(1, ge=0, description="bound s: a worker may run at most s steps ahead of the slowest")
+    exchange: Literal["broadcast", "all-reduce"] = Field(
+        "broadcast", description='"broadcast": each gradient to every peer; "all-reduce": sync\'s bytes, overlapped'
+    )
 
 
 class Inboxes:
@@ -109,12 +115,14 @@ class StaleSynchronous(Strategy):
     Options = SSPOptions
     tags = (HEADER, BODY)
     collective_eval = False  # rank 0 evaluates its replica during training; nobody waits for it
-    cost_options = COLLECTIVE_OPTIONS
+    cost_options = COLLECTIVE_OPTIONS | {"staleness", "exchange"}
 
     @classmethod
     def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-        """Every gradient goes to every peer, but the staleness bound removes the barrier's waits."""
-        return without_barrier(compute_s, *collective(n, workers, link, options))
+        """Every gradient goes to every peer, one message after another on the sender's link, but the staleness
+        bound removes the barrier's waits."""
+        messages = workers - 1
+        return without_barrier(compute_s, messages * link.message_time(n), messages * n)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)

@@ -19,6 +19,7 @@ from fast.tools.report.series import MEGABYTE, NOT_REACHED, as_target, ordered, 
 MISSING = "—"
 OUTCOME = "Accuracy and speed"
 COST = "Communication and consistency"
+SHARES = ("compute", "communicate", "wait")  # of each worker's training time (fast.comm.timeline)
 _TARGET_KEY = re.compile(r"^time_to_(?:(?P<metric>[A-Za-z_]\w*)(?P<op><=|>=))?(?P<value>[0-9.e+-]+)_s$")
 _METRIC_KEY = re.compile(r"^(?P<kind>final|best)_test_(?P<metric>\w+)$")
 
@@ -66,6 +67,8 @@ def summary_rows(runs: list[Run], targets: list[float | Target] | None = None) -
             "step_time_s": _value(s, "step_time_s"),
             "predicted_step_time_s": _value(s, "predicted_step_time_s"),
         }
+        shares = s.get("time_shares") if isinstance(s.get("time_shares"), dict) else {}
+        row |= {f"{kind}_share": _value(shares, kind) for kind in SHARES}
         rows.append(row)
     return rows
 
@@ -149,6 +152,7 @@ def table_columns(rows: list[dict[str, Any]]) -> list[Column]:
         Column("replica_divergence", "replica divergence", _significant, group=COST),
         Column("step_time_s", "step time (ms)", _fixed(1, scale=1000), group=COST),
         Column("predicted_step_time_s", "predicted step time (ms)", _fixed(1, scale=1000), group=COST),
+        *[Column(f"{kind}_share", f"{kind} share", _fixed(0, "%", 100), group=COST) for kind in SHARES],
     ]
 
 
@@ -162,7 +166,7 @@ def _target_name(key: str) -> str:
 def rich_table(rows: list[dict[str, Any]]) -> Table:
     """The rows as a rich table for the terminal, formatted like the HTML report."""
     table = Table(title="FAST comparison", header_style="bold", show_lines=False)
-    columns = table_columns(rows)
+    columns = [c for c in table_columns(rows) if not c.key.endswith("_share")]  # the time shares: in the report
     for column in columns:
         table.add_column(column.header, justify="right" if column.numeric else "left")
     for row in rows:
