@@ -7,8 +7,9 @@ Fashion-MNIST, LeNet-5, 4 local workers, batch 64 each, every link emulated (`[n
 trains `--steps` steps through `fast compare` (evaluation only at the end, off the clock). The measured
 step time is the run's wall time over its steps; the predicted one is `fast.perfmodel` fed with the run's
 own measured compute time per step (the slowest worker's work, its communication waits left out) and
-the link, as in summary.json's `predicted_step_time_s`. Target of the issue: `sync`, `local-sgd` and
-`gossip` within 25% (measured/predicted between 0.75 and 1.25); the others are shown for reference.
+the link, as in summary.json's `predicted_step_time_s`. Target: `sync`, `local-sgd`, `gossip`, both `ssp`
+exchanges, `diloco` and `streaming-diloco` within 25% (measured/predicted between 0.75 and 1.25); the others are
+shown for reference.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import fast
 
 TOLERANCE = 0.25
-CHECKED = ("sync", "local-sgd", "gossip-torus")
+CHECKED = ("sync", "local-sgd", "gossip-torus", "ssp", "ssp-allreduce", "streaming-diloco", "diloco")
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"strategy": {"name": "sync"}},
@@ -32,6 +33,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ea-wild": {"strategy": {"name": "ea-wild"}},
     "easgd-async": {"strategy": {"name": "easgd", "variant": "async", "tau": 4}},
     "ad-psgd": {"strategy": {"name": "ad-psgd", "topology": "ring"}},
+    "ssp": {"strategy": {"name": "ssp", "staleness": 2}},
+    "ssp-allreduce": {"strategy": {"name": "ssp", "staleness": 2, "exchange": "all-reduce"}},
+    "diloco": {"strategy": {"name": "diloco", "period": 8}},
+    "streaming-diloco": {"strategy": {"name": "streaming-diloco", "period": 8, "fragments": 4, "delay": 1}},
 }
 
 

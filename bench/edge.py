@@ -38,6 +38,7 @@ BASE: dict[str, Any] = {
 }
 
 TOPK_EF = {"name": "topk", "ratio": 0.01, "error_feedback": True}
+SIGN_EF = {"name": "sign", "error_feedback": True}
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"strategy": {"name": "sync"}},
     "local-sgd": {"strategy": {"name": "local-sgd", "period": 16}},
@@ -64,6 +65,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "codec": TOPK_EF,
     },  # fmt: skip
     "gossip-torus": {"strategy": {"name": "gossip", "topology": "torus:2x4"}},
+    "local-sgd-sign": {"strategy": {"name": "local-sgd", "period": 16}, "codec": SIGN_EF},
+    "local-sgd-sign-32": {"strategy": {"name": "local-sgd", "period": 32}, "codec": SIGN_EF},
+    "diloco-sign": {"strategy": {"name": "diloco", "period": 16}, "codec": SIGN_EF},
+    "streaming-sign": {
+        "strategy": {
+            "name": "streaming-diloco",
+            "period": 16,
+            "fragments": 4,
+            "delay": 2,
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+        },
+        "codec": SIGN_EF,
+    },  # fmt: skip
 }
 
 

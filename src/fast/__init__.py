@@ -73,6 +73,15 @@ def finish(eval_fn: Any = None) -> dict[str, Any] | None:
     return job().finish(eval_fn)
 
 
+def packaged(job_: Any = None) -> tuple[Any, Any]:
+    """A packed job's model and its author's optimizer, for your own loop under `fast run --config JOB.fastjob`:
+    `model(x, y)` returns the batch's loss (in eval mode, the loss and the package's metrics). Pass both to
+    `job.prepare`."""
+    from fast.jobs.loop import packed_job
+
+    return packed_job((job_ or job()).config)
+
+
 def train(
     config: Any = None,
     *,
@@ -127,6 +136,7 @@ __all__ = [
     "job",
     "loader",
     "log",
+    "packaged",
     "prepare",
     "run",
     "train",

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fast.archive import PACKAGE_SUFFIX, owner_may_set, read_package
 from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, load_dict
 from fast.errors import ConfigError
@@ -123,7 +124,46 @@ def load_config(source: str | Path | dict[str, Any] | Config | None = None, **ov
         data = {k: dict(v) if isinstance(v, dict) else v for k, v in source.items()}
     elif source is None:
         data = {}
+    elif str(source).endswith(PACKAGE_SUFFIX):  # a packed job: its own config, the owner's keys on top
+        data = {"package": {"path": str(Path(source).resolve())}}
     else:
         data = load_dict(source)
     dotted = {k.replace("__", "."): v for k, v in overrides.items()}
-    return build_config(apply_overrides(data, dotted))
+    packed = isinstance(data.get("package"), dict) and data["package"].get("path")
+    if packed and isinstance(source, Config):  # merged and checked when it was built: check only the overrides
+        with_package(apply_overrides({"package": data["package"]}, dotted))
+        return build_config(apply_overrides(data, dotted))
+    data = apply_overrides(data, dotted)
+    if packed:
+        data = with_package(data)
+    return build_config(data)
+
+
+def with_package(data: dict[str, Any]) -> dict[str, Any]:
+    """The packed job's config with the data owner's keys on top: their data, deployment and run-folder keys, and
+    the keys the author left open; ConfigError for any other key that differs from the package's."""
+    package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
+    base, opened = package.config, package.schema.get("open", [])
+    for key, value in _flat(data).items():
+        table = key.split(".")[0]
+        if table in ("model", "step") or key == "eval.factory":
+            raise ConfigError(f"`{key}`: a packed job's model and loss come from its package; drop the key")
+        if value != _flat(base).get(key) and not owner_may_set(key, opened):
+            shown = ", ".join(opened) or "none"
+            raise ConfigError(f"`{key}` is fixed by the package's author (open keys: {shown}); drop it from the config")
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in data.items():
+        merged[key] = (
+            {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
+    return merged
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -19,6 +19,12 @@ class UsageError(FastError):
     exit_code = 2
 
 
+class PackageError(FastError):
+    """A packed job (`fast pack`) cannot be made, or is refused: altered, unsigned, truncated, too new (exit code 2)."""
+
+    exit_code = 2
+
+
 class DataError(FastError):
     """A data set is not installed or cannot be read."""
 

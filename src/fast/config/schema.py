@@ -181,6 +181,13 @@ class CodecConfig(OpenSection):
     name: str = "none"
 
 
+class PackageConfig(Section):
+    """A packed job from `fast pack`: its model, loss and metrics come from the archive, not from code."""
+
+    path: str = Field(description="the .fastjob archive")
+    trusted_key: str | None = Field(None, description="the author's ed25519 public key (PEM): refuse all else")
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -194,6 +201,7 @@ class Config(Section):
     network: NetworkConfig | None = Field(None, description="emulated links; none = native communication")
     compute: ComputeConfig | None = Field(None, description="emulated compute: slowdowns and stragglers")
     faults: FaultsConfig | None = Field(None, description="injected faults: crashes and links down")
+    package: PackageConfig | None = Field(None, description="a packed job (fast pack); none = the config's code")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)

@@ -13,6 +13,7 @@ Python, `fast.train(model_fn=..., step_fn=...)` replaces the model and the step.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
+from fast.archive import Package, read_package
 from fast.config import Config
-from fast.errors import ConfigError
+from fast.errors import ConfigError, UsageError
 from fast.factories import call_factory, expect, load_factory
 from fast.jobs.datasets import load_dataset
 from fast.jobs.evaluate import EvalFn, classification_metrics
 from fast.jobs.models import build_model
+from fast.jobs.package import PackedModel, check_data, packed_evaluation, packed_step
 from fast.optim import build_optimizer
 from fast.runtime import init
 from fast.targets import lower_is_better
@@ -63,7 +66,36 @@ class LabelledTensors(TensorDataset):
 
 
 def datasets(config: Config) -> tuple[Dataset, Dataset | None]:
-    """The training and test datasets: the built-in one `data.name`, or `data.factory`'s."""
+    """The training and test datasets: the built-in one `data.name`, or `data.factory`'s; for a packed job,
+    checked against the package's schema."""
+    train, test = _datasets(config)
+    if config.package is not None:
+        schema = packaged(config).schema
+        check_data(schema, train, "training")
+        if test is not None:
+            check_data(schema, test, "test")
+    return train, test
+
+
+@functools.cache
+def _read(path: str, trusted_key: str | None) -> Package:
+    return read_package(path, trusted_key)
+
+
+def packaged(config: Config) -> Package:
+    """The packed job the config names (read and checked once per process)."""
+    return _read(config.package.path, config.package.trusted_key)
+
+
+def packed_job(config: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A packed job's model and its author's optimizer, for the data owner's own loop (`fast.packaged`)."""
+    if config.package is None:
+        raise UsageError("fast.packaged(): the run names no package: start it with `fast run --config JOB.fastjob`")
+    model = PackedModel(packaged(config))
+    return model, build_optimizer(config.optimizer, model.parameters())
+
+
+def _datasets(config: Config) -> tuple[Dataset, Dataset | None]:
     data = config.data
     if data.factory is not None:
         made = call_factory(load_factory(data.factory, "data.factory"), "data.factory", {}, data.arguments())
@@ -105,6 +137,8 @@ def _shape_and_classes(train: Dataset) -> dict[str, Any]:
 
 def model_for(config: Config, train: Dataset, user: UserCode) -> nn.Module:
     """The model, the same on every worker (seeded): the Python model_fn, `model.factory`'s, or the built-in."""
+    if config.package is not None:
+        return PackedModel(packaged(config))
     known = _shape_and_classes(train)
     torch.manual_seed(config.run.seed)
     if user.model_fn is not None:
@@ -125,6 +159,8 @@ def step_for(config: Config, user: UserCode) -> StepFn:
     """The loss of one batch: the Python step_fn, `step.factory`'s (with its keys), or cross-entropy."""
     if user.step_fn is not None:
         return user.step_fn
+    if config.package is not None:
+        return packed_step
     if config.step.factory is None:
         return cross_entropy_step
     function = load_factory(config.step.factory, "step.factory")
@@ -149,6 +185,8 @@ def eval_for(config: Config, test: Dataset | None, device: torch.device) -> Eval
     """The evaluation of a model: `eval.factory(model, test_dataset)`'s metrics, or accuracy and loss."""
     if test is None:
         return None
+    if config.package is not None:
+        return packed_evaluation(test, device, config.eval.batch_size, packaged(config).schema)
     if config.eval.factory is None:
         return classification_metrics(test, device, config.eval.batch_size)
     function = load_factory(config.eval.factory, "eval.factory")
@@ -180,6 +218,8 @@ def train_worker(config: Config, run_dir: Path, user: UserCode, resume: bool = F
     train, test = datasets(config)
     model = model_for(config, train, user)
     model, optimizer = job.prepare(model, build_optimizer(config.optimizer, model.parameters()))
+    # Dropout and other training randomness: seeded apart from how the model was built (source or package).
+    torch.manual_seed(config.run.seed * 7919 + 1 + job.rank)
     loader = job.loader(train, config.run.batch_size)
     step = step_for(config, user)
     evaluate = eval_for(config, test, job.device)

@@ -24,7 +24,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fast.tools.start import train
     from fast.tools.summary_text import print_summary
 
-    summary = train(args.config, out=args.out, resume=args.resume, **_overrides(args.set))
+    overrides = _overrides(args.set)
+    if args.trust:
+        overrides["package__trusted_key"] = str(args.trust)
+    summary = train(args.config, out=args.out, resume=args.resume, **overrides)
     if summary:  # under torchrun only rank 0 has it
         print_summary(summary)
     return 0
@@ -34,14 +37,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fast.tools.start import run_script
     from fast.tools.summary_text import print_summary
 
+    overrides = _overrides(args.set)
+    if args.trust:
+        overrides["package__trusted_key"] = str(args.trust)
     summary = run_script(
-        args.script,
-        args.args,
-        workers=args.workers,
-        config=args.config,
-        out=args.out,
-        resume=args.resume,
-        **_overrides(args.set),
+        args.script, args.args, workers=args.workers, config=args.config, out=args.out, resume=args.resume, **overrides
     )
     if summary:
         print_summary(summary)
@@ -75,6 +75,30 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from fast.tools.pack import names_path, pack
+
+    out = pack(args.config, args.out, metric=args.metric, sign=args.sign, open_keys=tuple(args.open),
+               **_overrides(args.set))  # fmt: skip
+    print(f"packed {out} ({out.stat().st_size:,} B); the map back to your names: {names_path(out)} (keep it)")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from fast.tools.pack import describe
+
+    print(describe(args.package, args.trust))
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from fast.tools.pack import make_keys
+
+    private, public = make_keys(args.prefix)
+    print(f"{private}: your private key (fast pack --sign {private}); {public}: give it to the data owners")
+    return 0
+
+
 def cmd_reference(args: argparse.Namespace) -> int:
     from fast.tools.reference import markdown
 
@@ -90,6 +114,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     t.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
     t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    t.add_argument("--trust", metavar="KEY.pub", help="a package: train it only if this author's key signed it")
     t.set_defaults(func=cmd_train)
     run = sub.add_parser(
         "run",
@@ -98,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
         "options come before the script, the script's own arguments after it.",
     )
     run.add_argument("--workers", "-n", type=int, help="worker processes (default: the config's run.workers)")
-    run.add_argument("--config", help="TOML config; replaces the one the script gives fast.init")
+    run.add_argument("--config", help="TOML config or JOB.fastjob; replaces the one the script gives fast.init")
+    run.add_argument("--trust", metavar="KEY.pub", help="a package: run it only if this author's key signed it")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     run.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -117,6 +143,22 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="folder for the runs and report.html (default runs/<name>-compare-<time>)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key in all")
     c.set_defaults(func=cmd_compare)
+    pk = sub.add_parser("pack", help="export a job into one archive that trains without its source")
+    pk.add_argument("config", help="TOML config of the job (its model and loss are exported)")
+    pk.add_argument("--out", required=True, help="the archive to write, e.g. job.fastjob")
+    pk.add_argument("--sign", metavar="KEY", help="sign with this ed25519 private key (fast keys)")
+    pk.add_argument("--metric", metavar="MODULE:FUNCTION", help="metric(outputs, labels) -> {name: scalar}")
+    pk.add_argument("--open", action="append", default=[], metavar="KEY", help='a key the data owner may set '
+                    '("run.workers", "strategy.*"); data keys are always theirs')  # fmt: skip
+    pk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    pk.set_defaults(func=cmd_pack)
+    ins = sub.add_parser("inspect", help="print what a package holds (config, schema, sizes, hashes, signer)")
+    ins.add_argument("package", help="a .fastjob archive")
+    ins.add_argument("--trust", metavar="KEY.pub", help="verify its signature with this public key")
+    ins.set_defaults(func=cmd_inspect)
+    keys = sub.add_parser("keys", help="make an ed25519 key pair for signing packages: PREFIX.key, PREFIX.pub")
+    keys.add_argument("prefix", help="e.g. keys/author")
+    keys.set_defaults(func=cmd_keys)
     ref = sub.add_parser("reference", help="print every strategy's and codec's keys and defaults (markdown)")
     ref.set_defaults(func=cmd_reference)
     r = sub.add_parser("report", help="rebuild report.html and summary.csv from the run folders in DIR")

@@ -154,12 +154,12 @@ def run_script(
     if not Path(script).is_file():
         raise ConfigError(f"fast run: script {script} does not exist: give the path of a Python file")
     if config is not None and not Path(config).is_file():
-        raise ConfigError(f"fast run --config {config}: no such file: give the path of a TOML file")
+        raise ConfigError(f"fast run --config {config}: no such file: give the path of a TOML file or a package")
     dotted = {k.replace("__", "."): v for k, v in overrides.items()}
     base = _launcher_view(config, overrides)
     workers = workers or base.run.workers
     dotted["run.workers"] = workers
-    launcher_config = load_config(base.to_dict(), run__workers=workers)
+    launcher_config = load_config(base, run__workers=workers)
     run_dir = Path(resume or out or default_run_dir(launcher_config))
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {
