@@ -2,7 +2,7 @@
 momentum for `ssp` and `async-ps`.
 
     .venv/bin/python bench/async_momentum.py [--out DIR] [--seeds 0 1 2] [--epochs 1]
-                                             [--variants sync ssp ssp-comp ssp-allreduce-comp async-ps async-ps-comp]
+                                             [--variants sync ssp-allreduce-comp ssp-comp async-ps async-ps-comp]
 
 Fashion-MNIST, LeNet-5, 4 local workers, batch 64 each, SGD (lr 0.05, momentum 0.9), every link emulated at
 20 Mbit/s and 20 ms (examples/demo.toml's job). Each seed runs every variant through `fast compare` (same
@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        default=["sync", "ssp-allreduce-comp", "ssp-comp", "async-ps", "async-ps-comp"])  # fmt: skip
     args = parser.parse_args()
     if "sync" not in args.variants:
         parser.error("--variants must include sync")

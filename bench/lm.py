@@ -73,13 +73,13 @@ def main() -> int:
     write_report(out, [out / name for name in summaries], title="FAST: the language model on 10 Mbit/s, 50 ms")
     sync = summaries.get("sync")
     print()
-    header = f"{'variant':<12} {'steps':>6} {'val ppl':>8} {'vs sync':>8} {'MB sent':>9} {'bytes/x':>8} {'wall s':>8}"
+    header = f"{'variant':<14} {'steps':>6} {'val ppl':>8} {'vs sync':>8} {'MB sent':>9} {'bytes/x':>8} {'wall s':>8}"
     print(header + f" {'t to sync ppl':>13} {'sooner':>7}")
     met = []
     for name, s in summaries.items():
         ppl, sent, wall = s["final_test_perplexity"], s["bytes_sent"], s["wall_time_s"]
         if sync is None:
-            print(f"{name:<12} {s['steps_per_worker']:>6} {ppl:>8.3f} {sent / 1e6:>9.1f} {wall:>8.0f}")
+            print(f"{name:<14} {s['steps_per_worker']:>6} {ppl:>8.3f} {sent / 1e6:>9.1f} {wall:>8.0f}")
             continue
         gap = ppl / sync["final_test_perplexity"] - 1
         fewer = sync["bytes_sent"] / sent if sent else float("inf")
@@ -87,8 +87,8 @@ def main() -> int:
         sync_reach = first_time_at(sync, sync["final_test_perplexity"])
         sooner = sync_reach / reach if reach else None
         print(
-            f"{name:<12} {s['steps_per_worker']:>6} {ppl:>8.3f} {gap:>+8.1%} {sent / 1e6:>9.1f} {fewer:>7.1f}x "
-            f"{wall:>8.0f} {reach if reach is not None else float('nan'):>13.0f} "
+            f"{name:<14} {s['steps_per_worker']:>6} {ppl:>8.3f} {gap:>+8.1%} {sent / 1e6:>9.1f} {fewer:>7.1f}x "
+            f"{wall:>8.0f} {f'{reach:.0f}' if reach is not None else 'not reached':>13} "
             f"{f'{sooner:.1f}x' if sooner else '-':>7}"
         )
         if name.startswith("diloco") and gap <= TARGET_PERPLEXITY_GAP and fewer >= TARGET_BYTES and sooner:

@@ -303,3 +303,13 @@ def test_the_language_model_example_trains_on_the_loop_api_and_reports_perplexit
     first, last = summary["evaluations"][0]["test_perplexity"], summary["final_test_perplexity"]
     assert summary["steps_per_worker"] == 20 and last < first < 256  # a byte model guessing uniformly: 256
     assert summary["time_to_target_s"] == {"perplexity <= 6": None} and summary["outer_rounds"] == 4
+
+
+def test_a_script_started_alone_trains_as_one_worker_and_writes_its_summary(tmp_path):
+    """`python script.py`, no launcher: a world of one, whose end-of-run gathers hold only its own figures."""
+    done = subprocess.run([sys.executable, str(PORTED / "fast_version.py")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (summary_file,) = tmp_path.glob("runs/*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["workers"] == 1 and summary["final_test_accuracy"] > 0.9

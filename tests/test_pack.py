@@ -264,6 +264,7 @@ def test_what_torch_export_cannot_capture_fails_at_pack_time_in_one_line(tmp_pat
         sys.path.remove(str(tmp_path))
         sys.modules.pop("branchy", None)
     assert len(str(error.value).splitlines()) == 1 and "the model cannot be packed" in str(error.value)
+    assert "branchy.py:11 in forward" in str(error.value)  # the construct: the author's data-dependent `if`
     assert not (tmp_path / "b.fastjob").exists()
 
 
@@ -292,7 +293,7 @@ def test_fast_compare_runs_its_variants_on_a_package(packed, tmp_path, no_orphan
 def test_the_built_in_image_models_pack_and_train_from_the_package(tmp_path, no_orphans, model):
     job = {"data": {"name": "digits"}, "model": {"name": model}, "run": {"workers": 2, "max_steps": 30,
            "batch_size": 32, "eval_every": 0}}  # fmt: skip
-    archive = pack(job, tmp_path / f"{model}.fastjob")
+    archive = fast.pack(job, tmp_path / f"{model}.fastjob")
     summary = fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits")
     source = fast.train(job, out=str(tmp_path / "source"))
     assert summary["steps_per_worker"] == 30 and summary["final_test_loss"] < 2.3  # untrained: ln 10 = 2.303

@@ -73,6 +73,15 @@ def finish(eval_fn: Any = None) -> dict[str, Any] | None:
     return job().finish(eval_fn)
 
 
+def pack(config: Any, out: str, **options: Any) -> Any:
+    """`fast pack`: export `config`'s job (model, loss, weights, resolved config) into the archive `out`, which
+    trains without its source; `sign=`, `open_keys=`, `metric=` and dotted overrides as in
+    `fast.tools.pack.pack`. Returns the archive's path."""
+    from fast.tools.pack import pack as _pack
+
+    return _pack(config, out, **options)
+
+
 def packaged(job_: Any = None) -> tuple[Any, Any]:
     """A packed job's model and its author's optimizer, for your own loop under `fast run --config JOB.fastjob`:
     `model(x, y)` returns the batch's loss (in eval mode, the loss and the package's metrics). Pass both to
@@ -136,6 +145,7 @@ __all__ = [
     "job",
     "loader",
     "log",
+    "pack",
     "packaged",
     "prepare",
     "run",

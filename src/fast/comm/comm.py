@@ -233,6 +233,8 @@ class Comm:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's `tensor` (all of the same shape), in group order."""
+        if self.size == 1:  # a group of one gathers its own tensor (no backend call)
+            return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         handle = self._collective(
             lambda: dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),

@@ -126,7 +126,7 @@ def _alone(config: Config) -> Config:
             f"fast run --workers {config.run.workers} SCRIPT)",
             file=sys.stderr,
         )
-        config = load_config(config.to_dict(), run__workers=1)
+        config = load_config(config, run__workers=1)
     store = Path(tempfile.mkdtemp(prefix="fast-alone-")) / "store"
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     os.environ["FAST_STORE_FILE"] = str(store)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -86,9 +87,17 @@ def export(module: Exported, example: tuple[torch.Tensor, torch.Tensor], trainin
         program = torch.export.export(module, example, dynamic_shapes=({0: batch}, {0: batch}), strict=False)
     except Exception as e:  # noqa: BLE001 - torch.export reports many kinds of failure
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PackageError(f"the model cannot be packed: torch.export failed on {type(e).__name__}: {first}") from None
+        raise PackageError(f"the model cannot be packed: torch.export failed on {type(e).__name__}: {first}"
+                           f"{_where(str(e))}") from None  # fmt: skip
     graph = json.loads(serialize(program).exported_program)
     return json.dumps(_without_metadata(graph)).encode()
+
+
+def _where(message: str) -> str:
+    """ " (at FILE:LINE in FUNCTION)": the last frame of the author's own code in torch.export's message."""
+    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message)
+              if "site-packages" not in f[0] and "/torch/" not in f[0]]  # fmt: skip
+    return f" (at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]})" if frames else ""
 
 
 def _without_metadata(value: Any) -> Any:
