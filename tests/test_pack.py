@@ -313,3 +313,14 @@ def test_the_language_model_packs_and_trains_from_the_package_under_diloco(tmp_p
                          data__factory="lm:corpus", data__context=128, data__megabytes=0.3)  # fmt: skip
     assert summary["steps_per_worker"] == 20 and summary["outer_rounds"] == 4
     assert 1 < summary["final_test_perplexity"] < 256  # a byte model guessing uniformly: 256
+
+
+def test_fast_keys_makes_its_folder_and_never_overwrites_a_key(tmp_path):
+    made = subprocess.run([FAST, "keys", "keys/author"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert made.returncode == 0, made.stderr
+    private = tmp_path / "keys" / "author.key"
+    assert private.stat().st_mode & 0o777 == 0o600 and (tmp_path / "keys" / "author.pub").is_file()
+    kept = private.read_bytes()
+    again = subprocess.run([FAST, "keys", "keys/author"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
+    assert "already exists" in again.stderr and private.read_bytes() == kept

@@ -212,11 +212,16 @@ def make_keys(prefix: str | Path) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    key = Ed25519PrivateKey.generate()
     private, public = Path(f"{prefix}.key"), Path(f"{prefix}.pub")
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))  # fmt: skip
-    private.chmod(0o600)
+    for path in (private, public):
+        if path.exists():
+            raise PackageError(f"{path} already exists: fast keys never overwrites a key; choose another prefix")
+    private.parent.mkdir(parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())  # fmt: skip
+    with os.fdopen(os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:  # never readable
+        out.write(pem)
     public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
                                                      serialization.PublicFormat.SubjectPublicKeyInfo))  # fmt: skip
     return private, public
