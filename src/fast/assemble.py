@@ -131,7 +131,8 @@ def load_config(source: str | Path | dict[str, Any] | Config | None = None, **ov
     dotted = {k.replace("__", "."): v for k, v in overrides.items()}
     packed = isinstance(data.get("package"), dict) and data["package"].get("path")
     if packed and isinstance(source, Config):  # merged and checked when it was built: check only the overrides
-        with_package(apply_overrides({"package": data["package"]}, dotted))
+        if dotted:
+            with_package(apply_overrides({"package": data["package"]}, dotted))
         return build_config(apply_overrides(data, dotted))
     data = apply_overrides(data, dotted)
     if packed:
@@ -144,11 +145,12 @@ def with_package(data: dict[str, Any]) -> dict[str, Any]:
     the keys the author left open; ConfigError for any other key that differs from the package's."""
     package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
     base, opened = package.config, package.schema.get("open", [])
+    packed = _flat(base)
     for key, value in _flat(data).items():
         table = key.split(".")[0]
         if table in ("model", "step") or key == "eval.factory":
             raise ConfigError(f"`{key}`: a packed job's model and loss come from its package; drop the key")
-        if value != _flat(base).get(key) and not owner_may_set(key, opened):
+        if value != packed.get(key) and not owner_may_set(key, opened):
             shown = ", ".join(opened) or "none"
             raise ConfigError(f"`{key}` is fixed by the package's author (open keys: {shown}); drop it from the config")
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}

@@ -10,8 +10,9 @@ from fast.config import parse_value
 from fast.errors import ConfigError, FastError
 
 
-def _overrides(pairs: list[str]) -> dict[str, Any]:
-    out = {}
+def _overrides(pairs: list[str], trust: str | None = None) -> dict[str, Any]:
+    """`--set key=value` pairs as `fast.train`'s overrides; `--trust KEY.pub` as the package's trusted key."""
+    out: dict[str, Any] = {"package__trusted_key": str(trust)} if trust else {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
@@ -24,9 +25,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fast.tools.start import train
     from fast.tools.summary_text import print_summary
 
-    overrides = _overrides(args.set)
-    if args.trust:
-        overrides["package__trusted_key"] = str(args.trust)
+    overrides = _overrides(args.set, args.trust)
     summary = train(args.config, out=args.out, resume=args.resume, **overrides)
     if summary:  # under torchrun only rank 0 has it
         print_summary(summary)
@@ -37,9 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fast.tools.start import run_script
     from fast.tools.summary_text import print_summary
 
-    overrides = _overrides(args.set)
-    if args.trust:
-        overrides["package__trusted_key"] = str(args.trust)
+    overrides = _overrides(args.set, args.trust)
     summary = run_script(
         args.script, args.args, workers=args.workers, config=args.config, out=args.out, resume=args.resume, **overrides
     )
