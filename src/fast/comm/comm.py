@@ -52,13 +52,15 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
 
-    def wait(self) -> Any:
+    def wait(self, deadline_s: float | None = None) -> Any:
+        """The operation's result, once done; CommTimeout after `deadline_s` (default the comm's deadline)."""
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if not self._done:
             with waiting():
                 try:
-                    self._work.wait(timedelta(seconds=self.deadline_s))
+                    self._work.wait(timedelta(seconds=deadline_s))
                 except Exception as e:  # the backend's timeout and connection errors both end here
-                    raise _comm_error(self.op, self.peer, self.deadline_s, e) from None
+                    raise _comm_error(self.op, self.peer, deadline_s, e) from None
                 self._done = True
                 if self._on_done is not None:
                     out = self._on_done()
@@ -104,13 +106,16 @@ class Comm:
         device: torch.device | str = "cpu",
         counter: ByteCounter | None = None,
         ranks: list[int] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         self.group = group
         self.deadline_s = deadline_s
         self.device = torch.device(device)
         self.counter = counter or ByteCounter()
-        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
-        self.rank = dist.get_rank()
+        self._world_size = dist.get_world_size() if world_size is None else world_size
+        self.ranks = ranks if ranks is not None else list(range(self._world_size))
+        self.rank = dist.get_rank() if rank is None else rank
         self._channels: list[Comm] = []
 
     # -- who ---------------------------------------------------------------------------------------------
@@ -120,7 +125,7 @@ class Comm:
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size()
+        return self._world_size
 
     def index(self, rank: int | None = None) -> int:
         """Position of a global rank inside this group."""
@@ -148,7 +153,8 @@ class Comm:
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
         """A Comm of the same kind over another group, sharing this one's byte counter."""
-        return Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks)
+        return Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
+                    rank=self.rank, world_size=self._world_size)  # fmt: skip
 
     def unmetered(self) -> Any:
         """Context in which traffic is measurement only and is not counted in bytes_sent."""

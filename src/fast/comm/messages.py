@@ -20,13 +20,11 @@ knows that a message came and from whom, and hands the strategy None for a lost 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-from fast.comm import Handle, MessageLost
+from fast.comm import Handle, MessageLost, timing
 from fast.comm.patience import PatientGroup, wait_for_senders
 from fast.errors import CommError
 
@@ -65,7 +63,7 @@ class Mailbox(PatientGroup):
         self.send(torch.tensor([MARKER, *header], dtype=torch.float64), peer, tag)
 
 
-class Listener(threading.Thread):
+class Listener:
     """Receives (header, body) messages in the background until every expected sender has said DONE.
 
     Each message goes to `on_message(sender, header, body)` in this thread; `body` is None when it was lost
@@ -87,7 +85,6 @@ class Listener(threading.Thread):
         tag: int = 0,
         on_marker: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
-        super().__init__(name="fast-listener", daemon=True)
         self.mailbox = mailbox
         self.header_size, self.body_numel = header_size, body_numel
         self.on_message, self.on_gone, self.tag = on_message, on_gone, tag
@@ -95,10 +92,14 @@ class Listener(threading.Thread):
         self.waiting = set(senders)
         self.received = dict.fromkeys(self.waiting, 0)  # messages whose header arrived (the body may be lost)
         self.lost = dict.fromkeys(self.waiting, 0)  # of those, the ones whose body was lost on its link
-        self.heard: dict[int, float] = {}  # time.monotonic() of each sender's last message
+        self.heard: dict[int, float] = {}  # timing.now() of each sender's last message
         self.done_headers: dict[int, torch.Tensor] = {}  # the training thread reads it: who has finished
         self.error: BaseException | None = None
-        self.changed = threading.Condition()  # notified whenever a sender is heard from
+        self.changed = timing.Condition()  # notified whenever a sender is heard from
+        self.thread = timing.Thread(self.run, "fast-listener")
+
+    def start(self) -> None:
+        self.thread.start()
 
     def run(self) -> None:
         try:
@@ -133,7 +134,7 @@ class Listener(threading.Thread):
 
     def _heard(self, sender: int, done: torch.Tensor | None = None, gone: bool = False) -> None:
         with self.changed:
-            self.heard[sender] = time.monotonic()
+            self.heard[sender] = timing.now()
             if done is not None:
                 self.done_headers[sender] = done
             if done is not None or gone:

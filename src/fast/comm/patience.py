@@ -11,17 +11,13 @@ closed), while one to a live process stays pending, unread.
 from __future__ import annotations
 
 import copy
-import queue
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
-from fast.comm import tags
+from fast.comm import tags, timing
 from fast.comm.comm import Comm, Handle
 from fast.comm.waiting import waiting
 from fast.errors import CommError, CommTimeout
@@ -52,15 +48,15 @@ class _Waiter:
     keeps its thread; a daemon thread does not keep the process from exiting)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._jobs = timing.Queue()
         self._lock = threading.Lock()
         self._free = 0  # threads minus jobs not finished yet
 
-    def submit(self, job: Callable[[], Any]) -> Future:
-        future: Future = Future()
+    def submit(self, job: Callable[[], Any]) -> Any:
+        future = timing.Future()
         with self._lock:
             if self._free == 0:
-                threading.Thread(target=self._loop, name="fast-waiter", daemon=True).start()
+                timing.Thread(self._loop, "fast-waiter").start()
                 self._free += 1
             self._free -= 1
         self._jobs.put((job, future))
@@ -77,9 +73,6 @@ class _Waiter:
                 self._free += 1
 
 
-_WAITER = _Waiter()
-
-
 class PatientGroup:
     """A strategy's own group over `comm`'s ranks (collective to create) whose waits give up at the run's
     deadline with CommTimeout, leaving the operation pending, instead of letting gloo time out."""
@@ -93,17 +86,19 @@ class PatientGroup:
     def wait(self, handle: Handle, deadline_s: float | None = None) -> Any:
         """Wait for an operation of this channel (posted with `self.comm`) for at most the deadline."""
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        if timing.simulated():  # a simulated wait that gives up breaks nothing: no waiter thread needed
+            return handle.wait(deadline_s)
         counting = self.comm.counter.context()
 
         def job() -> Any:
             with self.comm.counter.entered(counting):
                 return handle.wait()
 
-        future = _WAITER.submit(job)
+        future = timing.shared("waiter", _Waiter).submit(job)
         with waiting():
             try:
                 return future.result(deadline_s)
-            except FutureTimeout:
+            except timing.FutureTimeout:
                 raise CommTimeout(
                     f"{handle.op} with {handle.peer} did not complete within {deadline_s:g}s: the peer is "
                     "gone or stuck (raise run.deadline_s if it is only slow)"
@@ -138,7 +133,7 @@ class PatientGroup:
 
 
 def wait_for_senders(
-    changed: threading.Condition,
+    changed: Any,
     missing: Callable[[], list[int]],
     heard: dict[int, float],
     probe_sender: Callable[[int], str | None],
@@ -147,10 +142,10 @@ def wait_for_senders(
     check: Callable[[], None] = lambda: None,
 ) -> None:
     """Wait until `missing()` (the senders still awaited) is empty; `changed` is notified whenever a sender is heard
-    from (`heard`: when, time.monotonic()). A sender awaited and silent for a while is probed: one whose connection
+    from (`heard`: when, timing.now()). A sender awaited and silent for a while is probed: one whose connection
     is closed, or that stays silent past the deadline (from its last word or from this call, whichever is later),
     goes to `found_dead`, which must drop it from `missing()`. `check()` raises what went wrong elsewhere."""
-    start, period = time.monotonic(), probe_period(deadline_s)
+    start, period = timing.now(), probe_period(deadline_s)
     probed: dict[int, float] = {}
     with waiting(), changed:
         while True:
@@ -158,7 +153,7 @@ def wait_for_senders(
             waiting_for = missing()
             if not waiting_for:
                 return
-            now = time.monotonic()
+            now = timing.now()
             for sender in waiting_for:
                 silent = now - max(start, heard.get(sender, start))
                 if silent < period or now - probed.get(sender, start) < period:

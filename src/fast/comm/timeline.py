@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
+
+from fast.comm import timing
 
 CATEGORIES = ("compute", "communicate", "wait")
 _local = threading.local()
@@ -36,8 +38,8 @@ class Timeline:
 
     def __init__(self, rank: int, keep_events: bool) -> None:
         self.rank, self.keep_events = rank, keep_events
-        self.origin = time.perf_counter()
-        self.unix_origin = time.time()
+        self.origin = timing.now()
+        self.unix_origin = timing.wall()
         self.training_thread = threading.get_ident()
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.events: list[dict[str, Any]] = []
@@ -85,30 +87,30 @@ class Timeline:
             return names + list(self.events)
 
 
-_timeline: Timeline | None = None
+_timeline: ContextVar[Timeline | None] = ContextVar("timeline", default=None)  # the worker's (one per simulated one)
 
 
 def start(rank: int, keep_events: bool) -> Timeline:
-    """Time this process's spans from now on."""
-    global _timeline
-    _timeline = Timeline(rank, keep_events)
-    return _timeline
+    """Time this worker's spans from now on."""
+    timeline = Timeline(rank, keep_events)
+    _timeline.set(timeline)
+    return timeline
 
 
 def stop() -> None:
-    global _timeline
-    _timeline = None
+    _timeline.set(None)
 
 
 def open_span(name: str, category: str) -> None:
     """Start a span on this thread (for work that begins and ends in different callbacks: `close_span` ends it)."""
-    if _timeline is None:
+    timeline = _timeline.get()
+    if timeline is None:
         return
     stack: list[_Frame] = _local.__dict__.setdefault("stack", [])
-    now = time.perf_counter()
+    now = timing.now()
     if stack:
         stack[-1].own += now - stack[-1].resumed
-    stack.append(_Frame(name, category, now, _timeline))
+    stack.append(_Frame(name, category, now, timeline))
 
 
 def close_span() -> None:
@@ -116,7 +118,7 @@ def close_span() -> None:
     stack: list[_Frame] = _local.__dict__.get("stack", [])
     if not stack:
         return
-    end = time.perf_counter()
+    end = timing.now()
     frame = stack.pop()
     frame.own += end - frame.resumed
     if stack:
@@ -127,7 +129,7 @@ def close_span() -> None:
 @contextmanager
 def span(name: str, category: str) -> Iterator[None]:
     """Time the block as `name` in `category` (its nested spans' time is theirs)."""
-    if _timeline is None:
+    if _timeline.get() is None:
         yield
         return
     open_span(name, category)

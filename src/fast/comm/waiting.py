@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from fast.comm import timeline
+from fast.comm import timeline, timing
 
 _local = threading.local()
 
@@ -22,7 +21,7 @@ def waiting() -> Iterator[None]:
     """Time inside counts as this thread waiting on communication; nested waits count once."""
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
-    started = time.perf_counter()
+    started = timing.now()
     try:
         if depth:
             yield
@@ -32,4 +31,4 @@ def waiting() -> Iterator[None]:
     finally:
         _local.depth = depth
         if depth == 0:
-            _local.seconds = waited_s() + time.perf_counter() - started
+            _local.seconds = waited_s() + timing.now() - started

@@ -54,6 +54,14 @@ class RunConfig(Section):
     trace: bool = Field(False, description="a Chrome/Perfetto trace of every worker's spans in <run>/trace.json")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+    engine: Literal["processes", "simulated"] = Field(
+        "processes", description='"simulated": every worker in this one process, in virtual time (CPU only)'
+    )
+    step_time: str | float = Field(
+        "auto",
+        description='simulated engine: one step\'s compute, e.g. "20ms"; "auto" = timed on this host in the first '
+        "steps (give a duration for runs that repeat exactly)",
+    )
 
     @field_validator("max_time")
     @classmethod
@@ -67,9 +75,26 @@ class RunConfig(Section):
                 raise ValueError('must be a positive duration such as "5min"; leave it out for no limit')
         return value
 
+    @field_validator("step_time")
+    @classmethod
+    def _step_time(cls, value: str | float) -> str | float:
+        if value != "auto":
+            try:
+                seconds = parse_duration(value)
+            except ConfigError as e:
+                raise ValueError(f'{e}, or "auto"') from None
+            if seconds < 0:
+                raise ValueError('must be a duration such as "20ms", or "auto"')
+        return value
+
     @property
     def max_time_s(self) -> float | None:
         return parse_duration(self.max_time) if self.max_time is not None else None
+
+    @property
+    def step_time_s(self) -> float | None:
+        """The simulated compute of one step; None: timed on the host."""
+        return None if self.step_time == "auto" else parse_duration(self.step_time)
 
     @field_validator("targets")
     @classmethod

@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fast.comm import timing
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waited_s
 
@@ -62,7 +61,7 @@ class EmulatedMachine:
     def __init__(self, plan: MachinePlan, events_file: Path | None = None) -> None:
         self.plan = plan
         self.events_file = events_file
-        self.origin = time.time()
+        self.origin = timing.wall()
         self._compute_s = 0.0
         self._steps_timed = 0
         self._started: float | None = None
@@ -73,14 +72,12 @@ class EmulatedMachine:
 
     def start(self, world: Any = None) -> None:
         """Training starts now (faults count from here): also for the process's emulated network, if any."""
-        self.origin = time.time()
+        self.origin = timing.wall()
         network = getattr(world, "network", None)
         if network is not None:
             network.start_clock(self.origin)
         if self.plan.crash_time_s is not None:
-            timer = threading.Timer(self.plan.crash_time_s, self._crash)
-            timer.daemon = True
-            timer.start()
+            timing.Timer(self.plan.crash_time_s, self._crash).start()
 
     def before_step(self, step: int) -> None:
         """At the top of a step: crash, stall, or slow down in proportion to the step's own work."""
@@ -95,14 +92,14 @@ class EmulatedMachine:
                 self.pauses.append([step, pause])
         if extra + pause > 0:
             self.slowdown_s += extra
-            time.sleep(extra + pause)
-        self._started, self._waited = time.perf_counter(), waited_s()
+            timing.sleep(extra + pause)
+        self._started, self._waited = timing.now(), waited_s()
 
     def after_step(self) -> None:
         """At the end of a step: time its own work, which is everything but its waits on communication."""
         if self._started is None:
             return
-        work = (time.perf_counter() - self._started) - (waited_s() - self._waited)
+        work = (timing.now() - self._started) - (waited_s() - self._waited)
         self._started = None
         self._steps_timed += 1
         self._compute_s += (work - self._compute_s) / self._steps_timed
@@ -114,7 +111,7 @@ class EmulatedMachine:
         return self._compute_s if self._steps_timed else None
 
     def _crash(self, step: int | None = None) -> None:
-        elapsed = round(time.time() - self.origin, 4)
+        elapsed = round(timing.wall() - self.origin, 4)
         where = f"before step {step}" if step is not None else f"{elapsed:g} s after the start"
         if self.events_file is not None:
             event = {"worker": self.plan.rank, "kind": "fault", "fault": "crash", "time_s": elapsed}

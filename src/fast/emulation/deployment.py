@@ -90,8 +90,11 @@ def slowdown_of(config: Config, rank: int) -> float:
     return float(slowdown[rank]) if slowdown else 1.0
 
 
-def machine_for(config: Config, rank: int, events_file: Path | None = None) -> EmulatedMachine:
-    """The emulated machine under process `rank`: its slowdown, stragglers and crash (all off by default)."""
+def machine_for(
+    config: Config, rank: int, events_file: Path | None = None, *, simulated: bool = False
+) -> EmulatedMachine:
+    """The emulated machine under process `rank`: its slowdown, stragglers and crash (all off by default); in a
+    simulation, the machine that charges each step its compute in virtual time."""
     from fast.emulation.compute import EmulatedMachine, MachinePlan
 
     compute, faults = config.compute, config.faults
@@ -109,6 +112,10 @@ def machine_for(config: Config, rank: int, events_file: Path | None = None) -> E
         crash_step=min(steps) if steps else None,
         crash_time_s=min(times) if times else None,
     )
+    if simulated:
+        from fast.emulation.simulated import SimulatedMachine, wire
+
+        return SimulatedMachine(plan, wire(), config.run.step_time_s, events_file)
     return EmulatedMachine(plan, events_file)
 
 

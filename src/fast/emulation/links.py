@@ -25,7 +25,7 @@ class EmulatedLink:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ValueError(f"link latency must be >= 0 s, got {self.latency_s}")
-        if not (math.isfinite(self.bandwidth_Bps) and self.bandwidth_Bps > 0):
+        if not self.bandwidth_Bps > 0:  # math.inf: an ideal link (simulations without [network])
             raise ValueError(f"link bandwidth must be > 0 B/s, got {self.bandwidth_Bps}")
         if not (math.isfinite(self.jitter_s) and self.jitter_s >= 0):
             raise ValueError(f"link jitter must be >= 0 s, got {self.jitter_s}")

@@ -5,7 +5,7 @@ outgoing messages go on the wire one after another, each taking bytes / bandwidt
 message's real payload), and arrive one latency (± jitter) after their last byte left. The NIC takes
 messages in one at a time too: one that arrives while another is still coming in waits for it (a server
 that N workers push to receives N messages one after another). Sending and receiving do not interfere
-(full duplex). All processes share one machine, so `time.time()` is a common clock: the sender stamps
+(full duplex). All processes share one machine, so `timing.wall()` is a common clock: the sender stamps
 each message with the time it becomes deliverable, and the receiver sleeps until then (and until its NIC
 has taken the message in). The sender's handle completes when the NIC has finished sending.
 
@@ -23,14 +23,10 @@ links. Traffic inside `unmetered()` (measurement only) bypasses the emulated lin
 
 from __future__ import annotations
 
-import queue
 import struct
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -38,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fast.comm import tags
+from fast.comm import tags, timing
 from fast.comm.comm import Comm, Handle, MessageLost, post, sender_of
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waiting
@@ -54,7 +50,7 @@ _LOST, _MEASUREMENT = 1, 2  # header flags
 @dataclass(frozen=True)
 class Transmission:
     """When a message's last byte leaves the sender (`sent_at`), when the receiver may have it
-    (`deliver_at`), both on time.time()'s clock, and whether it is lost on the way."""
+    (`deliver_at`), both on timing.wall()'s clock, and whether it is lost on the way."""
 
     sent_at: float
     deliver_at: float
@@ -81,7 +77,7 @@ class Network:
 
     def __init__(self, links: LinkTable, rank: int, seed: int) -> None:
         self.links, self.rank, self.seed = links, rank, seed
-        self.origin = time.time()
+        self.origin = timing.wall()
         self._lock = threading.Lock()
         self._nic_free_at = 0.0
         self._ingress_free_at = 0.0
@@ -94,7 +90,7 @@ class Network:
 
     def start_clock(self, origin: float | None = None) -> None:
         """Fault times count from here: the common start of training."""
-        self.origin = time.time() if origin is None else origin
+        self.origin = timing.wall() if origin is None else origin
 
     def new_stream(self) -> int:
         """A number for a new group of this process: keys its messages' random draws."""
@@ -108,7 +104,7 @@ class Network:
         draw = (self.seed, self.rank, dst, *key)
         with self._lock:
             self.messages += 1
-            start = max(time.time(), self._nic_free_at)
+            start = max(timing.wall(), self._nic_free_at)
             up_at = self.origin + self.links.up_again_at(self.rank, dst, start - self.origin)
             lost = False
             if up_at > start and droppable:
@@ -151,11 +147,11 @@ class Network:
 
 
 def sleep_until(t: float) -> None:
-    """Wait (as communication: see `fast.comm.waiting`) until time.time() reaches `t`."""
-    delay = t - time.time()
+    """Wait (as communication: see `fast.comm.waiting`) until timing.wall() reaches `t`."""
+    delay = t - timing.wall()
     if delay > 0:
         with waiting():
-            time.sleep(delay)
+            timing.sleep(delay)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -193,13 +189,13 @@ class TimedHandle(Handle):
         self._ready_at = ready_at
 
     def is_completed(self) -> bool:
-        return self._done or (self._work.is_completed() and time.time() >= self._ready_at())
+        return self._done or (self._work.is_completed() and timing.wall() >= self._ready_at())
 
 
 class _FutureWork:
     """A Future (a collective running on the group's background thread) as the work a `Handle` waits on."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Any) -> None:
         self.future = future
 
     def is_completed(self) -> bool:
@@ -208,7 +204,7 @@ class _FutureWork:
     def wait(self, timeout: timedelta) -> bool:
         try:
             self.future.result(timeout.total_seconds())
-        except FutureTimeout:
+        except timing.FutureTimeout:
             raise TimeoutError("timed out") from None
         return True
 
@@ -217,15 +213,15 @@ class _Rounds:
     """One daemon thread running a group's emulated collectives in the order they were called."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._queue = timing.Queue()
+        self._thread: Any = None
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        future: Future = Future()
+    def submit(self, fn: Callable[[], Any]) -> Any:
+        future = timing.Future()
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="fast-emulated-collectives", daemon=True)
+                self._thread = timing.Thread(self._loop, "fast-emulated-collectives")
                 self._thread.start()
         self._queue.put((fn, future))
         return future
@@ -262,11 +258,13 @@ class EmulatedComm(Comm):
             device=device,
             counter=self.counter,
             ranks=ranks,
+            rank=self.rank,
+            world_size=self._world_size,
         )
 
     def _transmit(self, dst: int, nbytes: int, tag: int, droppable: bool) -> Transmission:
         if not self.counter.metered:  # measurement traffic is not part of the deployment
-            now = time.time()
+            now = timing.wall()
             return Transmission(now, now, measurement=True)
         with self._sequence_lock:
             self._sequence[(dst, tag)] += 1

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 from fast.archive import Package, read_package
+from fast.comm import timing
 from fast.config import Config
 from fast.errors import ConfigError, UsageError
 from fast.factories import call_factory, expect, load_factory
@@ -67,7 +68,14 @@ class LabelledTensors(TensorDataset):
 
 def datasets(config: Config) -> tuple[Dataset, Dataset | None]:
     """The training and test datasets: the built-in one `data.name`, or `data.factory`'s; for a packed job,
-    checked against the package's schema."""
+    checked against the package's schema. The workers of a simulation share one copy."""
+    if timing.simulated():
+        key = f"datasets {config.data.model_dump_json()} {config.run.seed} {config.package}"
+        return timing.shared(key, lambda: _checked_datasets(config))
+    return _checked_datasets(config)
+
+
+def _checked_datasets(config: Config) -> tuple[Dataset, Dataset | None]:
     train, test = _datasets(config)
     if config.package is not None:
         schema = packaged(config).schema

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import subprocess
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 import fast
-from fast.comm import tags
+from fast.comm import tags, timing
 from fast.comm.timeline import shares, write_chrome_trace
 from fast.emulation.deployment import describe as describe_deployment
 from fast.emulation.deployment import emulated, record_of
@@ -244,7 +243,7 @@ class Ending:
         model = self._final_from_replicas(replicas)
         self._final_evaluation(model, replicas)
         summary = self._summarize(everyone)
-        start = time.time() - self.clock.now()
+        start = timing.wall() - self.clock.now()
         summary["failures"] = [
             {**failure, "time_s": round(failure["unix_time"] - start, 3)}
             for failure in first_notices([f for p in everyone for f in p["failures"]] + strategy.failures)
@@ -382,6 +381,10 @@ class Ending:
                 summary[f"best_test_{name}"] = best(name, [e[f"test_{name}"] for e in evals if f"test_{name}" in e])
         if emulated(config):
             summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
+        if self.simulated:
+            from fast.emulation.simulated import host_figures
+
+            summary["simulation"] = host_figures()
         for p in everyone:  # strategy figures (a server's included); worker 0's come last and win
             if p["rank"]:
                 summary.update(p["strategy"])

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
 from fast.comm.patience import PatientGroup
 from fast.config import Config
+from fast.emulation import simulated
 from fast.emulation.deployment import comm_maker, machine_for, network_for
 from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
@@ -53,14 +55,21 @@ from fast.strategies import Strategy, StrategyContext, build_strategy
 from fast.strategies.base import ModelLayout
 
 LAYOUT_TAG = tags.LAYOUT
-_current: Job | None = None
+_current: ContextVar[Job | None] = ContextVar("job", default=None)  # the process's (each simulated one's) job
 
 
 def current() -> Job:
     """The job `fast.init` started in this process; FastError when there is none."""
-    if _current is None:
+    job = _current.get()
+    if job is None:
         raise UsageError("fast.init() has not been called in this process: start with job = fast.init(...)")
-    return _current
+    return job
+
+
+def unfinished() -> Job | None:
+    """The job of this process if it was prepared and not finished yet."""
+    job = _current.get()
+    return job if job is not None and not job.finished and job.model is not None else None
 
 
 def default_run_dir(config: Config) -> Path:
@@ -87,8 +96,7 @@ def init(
     dotted overrides (`strategy__name="gossip"`). `out` is the run folder; `resume` (a run folder, or True for
     `out`) continues it from its last checkpoint. A server process (async-ps, async easgd, ea-wild) serves here
     until the workers are done, then exits: it never returns."""
-    global _current
-    if _current is not None and not _current.finished:
+    if _current.get() is not None and not _current.get().finished:
         raise UsageError("fast.init() was already called in this process: use the job it returned")
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:  # restarted by the agent
         resume = True
@@ -102,12 +110,12 @@ def init(
         if not config.is_file():
             raise ConfigError(f"resume {resume_dir}: no config.toml there; give the folder of an earlier run")
     config = resolve_config(config, **overrides)
-    alone = not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
+    alone = simulated.place() is None and not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
     if alone:
         config = _alone(config)
     run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or default_run_dir(config))
     job = Job(config, run_dir, resume=bool(resume_dir), alone=alone)
-    _current = job
+    _current.set(job)
     if job.is_server:
         job._serve()  # never returns
     return job
@@ -147,7 +155,9 @@ class Job(Evaluating, Checkpointing, Ending):
 
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
         self.config, self.run_dir, self.resuming, self.alone = config, run_dir, resume, alone
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        place = simulated.place()
+        self.simulated = place is not None
+        self.rank, self.world_size = place or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         run = config.run
         self.workers = run.workers
         expected = world_size(config)
@@ -163,29 +173,34 @@ class Job(Evaluating, Checkpointing, Ending):
         strategy_name = config.strategy.name
         role = f"server {self.rank - self.workers + 1}/{self.world_size - self.workers}" if self.is_server else (
             f"worker {self.rank}/{self.workers}")  # fmt: skip
-        name_process(f"fast {role} {strategy_name} ({run.name})")
         self.role = role
         self.timeline = timeline.start(self.rank, keep_events=run.trace)
-        threads = run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size)
-        torch.set_num_threads(threads)
+        if not self.simulated:  # simulated processes share this one's threads, one at a time
+            name_process(f"fast {role} {strategy_name} ({run.name})")
+            torch.set_num_threads(run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size))
         if self.is_main:
             prepare_run_dir(config, run_dir, resume)
         self.device = engine.device_for(run.device)
-        self.world: Comm = engine.start(
-            self.rank,
-            self.world_size,
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            self.device,
-            run.deadline_s,
-            comm_maker(network_for(config, self.world_size, self.rank)),
+        self.world: Comm = (
+            simulated.world(self.rank, self.device, run.deadline_s)
+            if self.simulated
+            else engine.start(
+                self.rank,
+                self.world_size,
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                self.device,
+                run.deadline_s,
+                comm_maker(network_for(config, self.world_size, self.rank)),
+            )
         )
         partition = [list(range(self.workers))]
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
         self.records = Records(run_dir, self.rank, run.tensorboard)
-        self.machine = machine_for(config, self.rank, self.records.file)  # emulated slowdown, stragglers, crash
+        # emulated (or simulated) slowdown, stragglers, crash
+        self.machine = machine_for(config, self.rank, self.records.file, simulated=self.simulated)
         self.context = StrategyContext(
             comm=self.comm,
             world=self.world,
@@ -462,13 +477,13 @@ class Job(Evaluating, Checkpointing, Ending):
 
     # -- the process's end -------------------------------------------------------------------------------------------
     def _close(self) -> None:
-        global _current
         self.finished = True
         self.driver.detach()
         self.records.close()
-        engine.stop()
-        if _current is self:
-            _current = None
+        if not self.simulated:
+            engine.stop()
+        if _current.get() is self:
+            _current.set(None)
 
     def _serve(self) -> None:
         """A server process: its strategy's loop until the workers are done, its part of the end, then exit."""

@@ -101,11 +101,12 @@ class Failure:
         self.message, self.exit_code, self.traceback, self.secondary = message, exit_code, traceback, secondary
 
 
-def failure_of(e: BaseException) -> Failure:
+def failure_of(e: BaseException, trace: str | None = None) -> Failure:
+    """How `e` failed its process; `trace` is its traceback when it is not the exception being handled."""
     message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, FastError):
         return Failure(message, e.exit_code, None, secondary=isinstance(e, CommError))
-    shown = traceback.format_exc() if not isinstance(e, KeyboardInterrupt) else None
+    shown = (trace or traceback.format_exc()) if not isinstance(e, KeyboardInterrupt) else None
     return Failure(f"{type(e).__name__}: {message}", 1, shown)
 
 

@@ -34,14 +34,13 @@ difference, as for gossip's lost messages; the replicas still reach consensus. `
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from pydantic import Field
 from torch import nn
 
-from fast.comm import MessageLost
+from fast.comm import MessageLost, timing
 from fast.errors import CommError
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import PEER_OPTIONS, peer_messages, without_barrier
@@ -75,7 +74,7 @@ class ADPSGD(AsyncPeers):
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
         self.peers = PeerChoice(self.options, self.ctx)
-        self.lock = threading.Lock()  # guards the replica, `pending` and the counts between the two threads
+        self.lock = timing.Lock()  # guards the replica, `pending` and the counts between the two threads
         # corrections from averagings the listener answered, folded into the replica before each step
         self.pending = torch.zeros(self.state.numel)
         self.answered = self.started = self.lost_messages = 0

@@ -27,8 +27,6 @@ reached some survivors and not others.
 from __future__ import annotations
 
 import random
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +34,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from fast.comm import timing
 from fast.errors import CommError
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import without_barrier
@@ -73,7 +72,7 @@ class AsyncBroadcast(AsyncPeers):
         self.others = [rank for rank in self.comm.ranks if rank != self.comm.rank]
         self.applied = torch.zeros(self.comm.size, dtype=torch.int64)  # this replica's vector clock
         self.sent = 0
-        self.lock = threading.Lock()  # guards the inbox between the listener and the training thread
+        self.lock = timing.Lock()  # guards the inbox between the listener and the training thread
         self.inbox: list[Delivery] = []
         self.delays = random.Random(f"fast.async-broadcast:{self.ctx.config.run.seed}:{self.comm.rank}")
         self.last_due = dict.fromkeys(self.others, 0.0)
@@ -84,13 +83,13 @@ class AsyncBroadcast(AsyncPeers):
         """Listener thread: queue the update, due after its emulated delay (not before the sender's last)."""
         self.deaths.heard[sender] = int(header[1 + self.comm.index(sender)].item()) + 1
         delay = self.delays.uniform(0.0, self.options.max_delay_ms) / 1000
-        due = max(self.last_due[sender], time.monotonic() + delay)
+        due = max(self.last_due[sender], timing.now() + delay)
         self.last_due[sender] = due
         with self.lock:
             self.inbox.append(Delivery(due, sender, header[1:].to(torch.int64), update))
 
     def _apply_arrived(self, everything: bool = False) -> None:
-        now = time.monotonic()
+        now = timing.now()
         with self.lock:
             ready = [d for d in self.inbox if everything or d.due <= now]
             self.inbox = [d for d in self.inbox if not (everything or d.due <= now)]

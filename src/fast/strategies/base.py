@@ -8,7 +8,6 @@ need; the defaults do nothing, so local training with no communication is `Strat
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any, ClassVar, Literal
 
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 from fast.codecs import Codec
-from fast.comm import tags
+from fast.comm import tags, timing
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.exchange.allreduce import worker_codec
@@ -175,7 +174,7 @@ class Strategy:
             return
         self.dead.add(peer)
         self.failures.append(
-            {"worker": peer, "step": step, "unix_time": time.time(), "how": how, "noticed_by": self.ctx.rank}
+            {"worker": peer, "step": step, "unix_time": timing.wall(), "how": how, "noticed_by": self.ctx.rank}
         )
         self.ctx.log(f"worker {self.ctx.rank}: worker {peer} is gone ({how}); going on without it")
 

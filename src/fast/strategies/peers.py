@@ -13,13 +13,13 @@ Options of the family (gossip, ad-psgd, push-sum), declared in `PeerOptions`:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
+from fast.comm import timing
 from fast.comm.messages import Listener, Mailbox
 from fast.config import Config
 from fast.errors import CommError, ConfigError
@@ -142,7 +142,7 @@ class PeerDeaths:
 
     def __init__(self, strategy: Strategy, forget: Callable[[int], None] = lambda peer: None) -> None:
         self.strategy, self.forget = strategy, forget
-        self.lock = threading.Lock()
+        self.lock = timing.Lock()
         self.heard: dict[int, int] = {}  # peer -> the steps it had done when it last sent something
         self.own_step = 0  # steps this worker has done
 

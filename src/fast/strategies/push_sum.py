@@ -33,13 +33,13 @@ which shrinks as the replicas agree. `lost_messages` counts such pushes (rank 0'
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import torch
 from pydantic import Field
 from torch import nn
 
+from fast.comm import timing
 from fast.errors import CommError, CommTimeout
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import PEER_OPTIONS, peer_messages, without_barrier
@@ -73,7 +73,7 @@ class PushSum(AsyncPeers):
         self.peers = PeerChoice(self.options, self.ctx)
         self.alpha = 1.0 / self.comm.size
         self.sent = dict.fromkeys(self.peers.ever, 0)
-        self.arrived: queue.SimpleQueue[tuple[float, torch.Tensor | None]] = queue.SimpleQueue()
+        self.arrived: Any = timing.Queue()
         self.open_mailbox(self.peers.ever, self.state.numel, self.peers.forget, tag=PUSH_TAG)
         self.weights: list[float | None] = []
         self.pushes = 0

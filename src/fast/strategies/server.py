@@ -18,15 +18,13 @@ A server's death stays fatal: worker 0 ends the run.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from fast.comm import Comm, Handle
+from fast.comm import Comm, Handle, timing
 from fast.comm.patience import probe, wait_for_senders
 from fast.errors import CommError
 from fast.strategies.base import ModelLayout, Strategy
@@ -58,13 +56,13 @@ class ServerLoop:
         self.server, self.senders, self.lines = server, senders, lines
         self.done: set[int] = set()
         self.heard: dict[int, float] = {}
-        self.changed = threading.Condition()
+        self.changed = timing.Condition()
         self.error: BaseException | None = None
         self.pending: list[Handle] = []  # probes nobody receives, kept to the end
 
     def run(self) -> set[int]:
         """Serve until every sender is done or lost; returns the live senders that said done."""
-        threads = [threading.Thread(target=self._read, args=(line,), name="fast-server", daemon=True)
+        threads = [timing.Thread(self._read, "fast-server", args=(line,))
                    for line in self.lines]  # fmt: skip
         for thread in threads:
             thread.start()
@@ -96,7 +94,7 @@ class ServerLoop:
         sender = request.sender
         self.server.taken_back(sender)
         with self.changed:
-            self.heard[sender] = time.monotonic()
+            self.heard[sender] = timing.now()
         if request.kind == MARKER:
             self.server.snapshots.mark(self.server.sender_index(sender), request.step)
         elif request.kind == DONE:
@@ -151,7 +149,7 @@ class ServerStrategy(Strategy):
 
     def __init__(self, options: Any, ctx: Any) -> None:
         super().__init__(options, ctx)
-        self.failure_lock = threading.Lock()  # deaths are recorded from several threads (a server's lines)
+        self.failure_lock = timing.Lock()  # deaths are recorded from several threads (a server's lines)
 
     @classmethod
     def server_count(cls, options: Any, workers: int) -> int:

@@ -14,10 +14,11 @@ A state is any object with `copy()`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
+
+from fast.comm import timing
 
 
 class Copyable(Protocol):
@@ -41,10 +42,10 @@ class Snapshots(Generic[State]):
         self.pending: dict[int, State] = {}  # step -> the snapshot of that step's cut, being completed
         self.marked = [committed] * senders  # each sender's last checkpoint marker
         self.committed = committed  # the step of the last complete snapshot
-        self._lock = threading.Condition()
+        self._lock = timing.Condition()
         self._applying = 0  # exchanges being applied now
         self._holding = 0  # copies and hand-overs waiting for those to end (new exchanges wait for them)
-        self._saving = threading.Lock()  # complete snapshots are written one at a time, oldest first
+        self._saving = timing.Lock()  # complete snapshots are written one at a time, oldest first
 
     @contextmanager
     def applying(self, sender: int) -> Iterator[list[State]]:

@@ -23,15 +23,13 @@ Staleness of a peer gradient applied at step t that was computed at step Ï„: t â
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
-from fast.comm import Handle
+from fast.comm import Handle, timing
 from fast.errors import CommError, CommTimeout
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import COLLECTIVE_OPTIONS, without_barrier
@@ -53,7 +51,7 @@ class Inboxes:
     """Peer gradients received but not applied yet; filled by the listener thread, emptied by the training one."""
 
     def __init__(self, peers: list[int], deadline_s: float) -> None:
-        self.changed = threading.Condition()
+        self.changed = timing.Condition()
         self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {p: [] for p in peers}  # in step order
         self.through = dict.fromkeys(peers, -1)  # every gradient of a peer's steps <= through has arrived
         self.ended: set[int] = set()
@@ -80,7 +78,7 @@ class Inboxes:
 
     def wait_through(self, step: int) -> int:
         """Block until every peer's gradients up to `step` are in; returns how many peers were waited for."""
-        deadline = time.monotonic() + self.deadline_s
+        deadline = timing.now() + self.deadline_s
         with self.changed:
             behind = [p for p, through in self.through.items() if through < step]
             while True:
@@ -92,7 +90,7 @@ class Inboxes:
                 gone = [p for p in late if p in self.ended]
                 if gone:
                     raise CommError(f"ssp: worker {gone[0]} ended its stream before step {step}")
-                left = deadline - time.monotonic()
+                left = deadline - timing.now()
                 if left <= 0:
                     raise CommTimeout(
                         f"ssp: waited {self.deadline_s:g}s for worker {late[0]}'s gradient of step {step}: "
@@ -134,7 +132,7 @@ class StaleSynchronous(Strategy):
         self.sends: list[tuple[Handle, torch.Tensor]] = []
         self.waits = 0
         self.last_step = -1
-        self.listener = threading.Thread(target=self._listen, name="fast-ssp-listener", daemon=True)
+        self.listener = timing.Thread(self._listen, "fast-ssp-listener")
         self.listener.start()
 
     # -- the channel ---------------------------------------------------------------------------------------

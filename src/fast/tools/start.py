@@ -52,6 +52,8 @@ def prepare(
 def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[str, str] | None = None) -> dict:
     """Run `fn(*args)` in every process of the run; returns {rank: value}."""
     nprocs = config.run.workers + server_count(config)
+    if config.run.engine == "simulated":
+        return _simulate(fn, config, nprocs, args, extra_env)
     addr = config.run.master_addr
     port = config.run.master_port or engine.free_port(addr)
     threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
@@ -69,6 +71,18 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
         if any(run_dir.glob("checkpoints/*.pt")):
             raise Interrupted(f"{e}; continue with: fast train --resume {run_dir}") from None
         raise
+
+
+def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict[str, str] | None) -> dict:
+    """The run's processes as tasks of one simulation in this process (run.engine = "simulated")."""
+    from fast.runtime.simulate import simulate
+
+    if config.run.max_restarts:
+        raise ConfigError('run.max_restarts restarts real processes: leave it at 0 with run.engine = "simulated"')
+    if config.run.device != "cpu":
+        raise ConfigError('the simulated engine runs on the CPU: set run.device = "cpu" with run.engine = "simulated"')
+    with _environment(extra_env or {}):
+        return simulate(fn, config, nprocs, args, survivable=strategy_for(config).survives_failures)
 
 
 class _environment:
@@ -102,6 +116,8 @@ def train(
     config, run_dir = prepare(config, out=out, resume=resume, **overrides)
     user = UserCode(model_fn=model_fn, step_fn=step_fn, strategy_class=strategy_class(config.strategy.name))
     if engine.under_torchrun():
+        if config.run.engine == "simulated":
+            raise ConfigError('run.engine = "simulated" runs every worker in one process: start it without torchrun')
         return train_worker(config, run_dir, user, resume is not None) or {}
     outputs = _start(train_worker, config, run_dir, (config, run_dir, user, resume is not None))
     summary = outputs[0]
@@ -118,8 +134,8 @@ def run_script_process(script: str, argv: list[str]) -> None:
     sys.argv = [script, *argv]
     add_search_path(str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
-    unfinished = jobs._current
-    if unfinished is not None and not unfinished.finished and unfinished.model is not None:
+    unfinished = jobs.unfinished()
+    if unfinished is not None:
         if unfinished.is_main:
             print("fast: the script did not call job.finish(): finishing the run for it", file=sys.stderr)
         unfinished.finish()

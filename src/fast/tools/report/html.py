@@ -139,7 +139,14 @@ def _deployment_section(runs: list[Run], deployment: dict | None) -> str:
                 "run's. See each run's config for its own.</p>"
             )
     items = [f"<dt>{escape(_humanize(key))}</dt><dd>{_describe(value)}</dd>" for key, value in deployment.items()]
-    if not any(key in deployment for key in DEPLOYMENT_SECTIONS):
+    simulated = [run for run in runs if run.summary.get("simulation")]
+    if simulated:
+        host = ", ".join(f"{escape(run.name)} {run.summary['simulation']['host_s']:.0f} s" for run in simulated)
+        items.append(
+            "<dt>engine</dt><dd>simulated: every worker in one process, all times virtual (the links' and "
+            f"`run.step_time`'s); host time {host}</dd>"
+        )
+    elif not any(key in deployment for key in DEPLOYMENT_SECTIONS):
         items.append("<dt>links</dt><dd>no link, compute or fault model configured (real local links)</dd>")
     return f'<section id="deployment"><h2>Deployment</h2><dl>{"".join(items)}</dl>{note}</section>'
 

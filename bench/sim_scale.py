@@ -1,0 +1,141 @@
+"""The simulated engine at scale: host cost and memory against workers, and the papers' questions at 8 to 256 workers.
+
+    .venv/bin/python bench/sim_scale.py [--workers 16 64 256] [--epochs 1] [--sections scale figures]
+                                        [--reports DIR] [--out results.json]
+
+Fashion-MNIST, LeNet-5, batch 16 per worker (so that 256 workers still take 14 steps an epoch), SGD (lr 0.05,
+momentum 0.9), links of 100 Mbit/s and 5 ms, a step charged 5 ms of compute (`run.step_time`, so every run
+repeats exactly). Each run is a process of its own, so that its peak memory is its own.
+
+- `scale`: at each worker count, `gossip` on a square torus with `send_probability` 1.0, 0.5 and 0.25 (the
+  partial communication of papers 000/001: accuracy and replica divergence against the probability and the
+  workers), `local-sgd` (period 8), and `async-ps` with one server shard per 16 workers. Host seconds per
+  simulated worker-step should stay about flat as workers grow (a cost linear in workers x steps); every
+  256-worker run must end within 30 minutes and 8 GiB.
+- `figures`: `fast compare` of `examples/scale/trend.toml` (paper 004: at a fixed per-worker batch, `sync`
+  against `async-ps` at 8, 32 and 128 workers; asynchronous accuracy should fall as workers grow while
+  synchronous accuracy holds) and of `examples/scale/partial.toml` (gossip's send probability against the
+  workers, with replica divergence), one report.html each under --reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MEMORY_LIMIT_MB, HOST_LIMIT_S = 8 * 1024, 30 * 60
+
+
+def config(workers: int, strategy: dict[str, Any], epochs: float) -> dict[str, Any]:
+    return {
+        "run": {"name": strategy["name"], "seed": 0, "workers": workers, "batch_size": 16, "epochs": epochs,
+                "eval_every": 0, "engine": "simulated", "step_time": "5ms", "targets": [0.7], "log_every": 10},
+        "data": {"name": "fashion-mnist"},
+        "model": {"name": "lenet"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "strategy": strategy,
+        "network": {"bandwidth": "100Mbit", "latency": "5ms"},
+    }  # fmt: skip
+
+
+def torus(workers: int) -> str:
+    rows = 2 ** (int(math.log2(workers)) // 2)
+    return f"torus:{rows}x{workers // rows}"
+
+
+def scale_plan(workers: list[int]) -> list[tuple[str, int, dict[str, Any]]]:
+    plan = []
+    for n in workers:
+        for p in (1.0, 0.5, 0.25):
+            plan.append((f"gossip p={p:g}", n, {"name": "gossip", "topology": torus(n), "send_probability": p}))
+        plan.append(("local-sgd", n, {"name": "local-sgd", "period": 8}))
+        plan.append((f"async-ps ({max(1, n // 16)} shards)", n, {"name": "async-ps", "servers": max(1, n // 16)}))
+    return plan
+
+
+def run_one(job: dict[str, Any]) -> dict[str, Any]:
+    """One run in this process (a child of main): its summary's figures, as JSON on stdout."""
+    import fast
+
+    with tempfile.TemporaryDirectory(prefix="fast-sim-scale-") as out:
+        summary = fast.train(job, out=out)
+    sim = summary["simulation"]
+    worker_steps = summary["steps_per_worker"] * summary["workers"]
+    return {
+        "steps_per_worker": summary["steps_per_worker"],
+        "virtual_s": summary["wall_time_s"],
+        "host_s": sim["host_s"],
+        "host_ms_per_worker_step": 1000 * sim["host_s"] / worker_steps,
+        "peak_memory_mb": sim["peak_memory_mb"],
+        "accuracy": summary["final_test_accuracy"],
+        "divergence": summary.get("replica_divergence"),
+        "bytes_sent": summary["bytes_sent"],
+    }
+
+
+def cell(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--sections", nargs="+", choices=["scale", "figures"], default=["scale", "figures"])
+    parser.add_argument("--reports", default="runs/sim-scale", help="where the figures' reports go")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child's job, as JSON
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one))))
+        return
+    if "scale" in args.sections:
+        scale(args)
+    if "figures" in args.sections:
+        figures(Path(args.reports))
+
+
+def figures(reports: Path) -> None:
+    import fast
+
+    examples = Path(__file__).resolve().parent.parent / "examples" / "scale"
+    for name in ("trend", "partial"):
+        comparison = fast.compare(str(examples / f"{name}.toml"), out=str(reports / name))
+        print(f"{name}: {comparison.report}", flush=True)
+
+
+def scale(args: argparse.Namespace) -> None:
+    plan = scale_plan(args.workers)
+    print("| workers | variant | steps/worker | virtual s | host s | host ms per worker-step | peak MB | accuracy | "
+          "divergence |\n|---|---|---|---|---|---|---|---|---|", flush=True)  # fmt: skip
+    rows = []
+    for name, workers, strategy in plan:
+        job = json.dumps(config(workers, strategy, args.epochs))
+        done = subprocess.run([sys.executable, __file__, "--one", job], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"| {workers} | {name} | failed: {done.stderr.strip().splitlines()[-1:]} |", flush=True)
+            continue
+        row = {"variant": name, "workers": workers, **json.loads(done.stdout.strip().splitlines()[-1])}
+        rows.append(row)
+        print(f"| {workers} | {name} | {row['steps_per_worker']} | {cell(row['virtual_s'])} | {cell(row['host_s'])} | "
+              f"{cell(row['host_ms_per_worker_step'], 2)} | {cell(row['peak_memory_mb'], 0)} | "
+              f"{cell(row['accuracy'], 4)} | {cell(row['divergence'], 4)} |", flush=True)  # fmt: skip
+    largest = [r for r in rows if r["workers"] == max(args.workers)]
+    if largest and "scale" in args.sections:
+        worst_s = max(r["host_s"] for r in largest)
+        worst_mb = max(r["peak_memory_mb"] for r in largest)
+        met = worst_s < HOST_LIMIT_S and worst_mb < MEMORY_LIMIT_MB
+        print(f"\n{max(args.workers)} workers: longest run {worst_s:.0f} host s (limit {HOST_LIMIT_S}), highest peak "
+              f"{worst_mb:.0f} MB (limit {MEMORY_LIMIT_MB}): {'met' if met else 'NOT met'}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The simulated engine against real processes on the same emulated deployment: step time, time to target, accuracy.
+
+    .venv/bin/python bench/sim_vs_real.py [--workers 4 8] [--strategies sync local-sgd gossip async-ps ad-psgd]
+                                          [--epochs 1] [--target 0.7] [--out results.json]
+
+Fashion-MNIST, LeNet-5, batch 64 per worker, SGD (lr 0.05, momentum 0.9), on
+emulated links of 100 Mbit/s and 5 ms each way; gossip on a torus (2x2, 2x4). Each configuration runs twice, as
+real processes (`run.engine = "processes"`, gloo under link emulation) and simulated (`run.engine = "simulated"`),
+and once more per strategy at 4 workers with worker 3 three times slower (`[compute] slowdown`).
+
+The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its
+step time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records),
+so that the comparison isolates what the simulation models, the links and the waiting, from the contention of N
+processes for this machine's cores. A slowdown f makes emulation sleep (f − 1) x the step's compute, while the
+simulation charges f x all of that busy time: the simulated straggler is given the slowdown that adds the same
+time, 1 + (f − 1) x compute / busy, with compute and busy taken from the run without a straggler.
+Targets of the issue: simulated step time and time to target within 15% of the real run's; final accuracy within
+1.5 points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fast
+
+TIME_TOLERANCE, ACCURACY_POINTS = 0.15, 1.5
+TORUS = {4: "torus:2x2", 8: "torus:2x4", 16: "torus:4x4"}
+
+
+def job(strategy: str, workers: int, epochs: float, target: float, straggler: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {"name": strategy}
+    if strategy == "gossip":
+        options["topology"] = TORUS[workers]
+    config: dict[str, Any] = {
+        "run": {"name": f"{strategy}-{workers}", "seed": 0, "workers": workers, "batch_size": 64, "epochs": epochs,
+                "eval_every": 0.1, "targets": [target], "log_every": 10},
+        "data": {"name": "fashion-mnist"},
+        "model": {"name": "lenet"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "strategy": options,
+        "network": {"bandwidth": "100Mbit", "latency": "5ms"},
+    }  # fmt: skip
+    if straggler:
+        config["compute"] = {"slowdown": [1.0] * (workers - 1) + [3.0]}
+    return config
+
+
+def figures(summary: dict[str, Any], target: float) -> dict[str, Any]:
+    return {
+        "step_time_s": summary["step_time_s"],
+        "time_to_target_s": summary["time_to_accuracy_s"].get(f"{target:g}"),
+        "accuracy": summary["final_test_accuracy"],
+        "busy_s": summary["step_time_s"] * (1 - (summary.get("time_shares") or {}).get("wait", 0.0)),
+        "compute_s": summary.get("step_compute_s"),
+        "bytes_sent": summary["bytes_sent"],
+        "host_s": (summary.get("simulation") or {}).get("host_s"),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare(strategy: str, workers: int, epochs: float, target: float, unslowed: dict[str, Any] | None,
+            out: Path) -> dict[str, Any]:  # fmt: skip
+    """Real, then simulated; `unslowed`: the real figures of the same run without a straggler, for one with."""
+    straggler = unslowed is not None
+    config = job(strategy, workers, epochs, target, straggler)
+    name = f"{strategy}-{workers}{'-straggler' if straggler else ''}"
+    real = figures(fast.train(config, out=str(out / f"{name}-real")), target)
+    busy = (unslowed or real)["busy_s"]
+    if unslowed is not None:  # the same extra time per step as emulation's sleep of (f - 1) x compute
+        factor = config["compute"]["slowdown"][-1]
+        extra = 1 + (factor - 1) * unslowed["compute_s"] / busy
+        config["compute"]["slowdown"] = [1.0] * (workers - 1) + [extra]
+    simulated = figures(fast.train(config, out=str(out / f"{name}-sim"), run__engine="simulated",
+                                   run__step_time=busy), target)  # fmt: skip
+    row = {"name": name, "real": real, "simulated": simulated,
+           "step_ratio": ratio(simulated["step_time_s"], real["step_time_s"]),
+           "target_ratio": ratio(simulated["time_to_target_s"], real["time_to_target_s"]),
+           "accuracy_points": 100 * (simulated["accuracy"] - real["accuracy"])}  # fmt: skip
+    row["met"] = (
+        row["step_ratio"] is not None
+        and abs(row["step_ratio"] - 1) <= TIME_TOLERANCE
+        and (row["target_ratio"] is None or abs(row["target_ratio"] - 1) <= TIME_TOLERANCE)
+        and abs(row["accuracy_points"]) <= ACCURACY_POINTS
+    )
+    return row
+
+
+def number(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return f"{value * scale:.{digits}f}" if value is not None else "-"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| run | step ms real | sim | ratio | to target s real | sim | ratio | accuracy real | sim | points | "
+        "host s (sim) | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        real, sim = row["real"], row["simulated"]
+        lines.append(
+            f"| {row['name']} | {number(real['step_time_s'], 1000)} | {number(sim['step_time_s'], 1000)} | "
+            f"{number(row['step_ratio'], digits=3)} | {number(real['time_to_target_s'])} | "
+            f"{number(sim['time_to_target_s'])} | {number(row['target_ratio'], digits=3)} | "
+            f"{number(real['accuracy'], digits=4)} | {number(sim['accuracy'], digits=4)} | "
+            f"{row['accuracy_points']:+.2f} | {number(sim['host_s'])} | {'yes' if row['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--strategies", nargs="+", default=["sync", "local-sgd", "gossip", "async-ps", "ad-psgd"])
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--target", type=float, default=0.7)
+    parser.add_argument("--no-straggler", action="store_true", help="leave out the straggler runs")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fast-sim-vs-real-") as folder:
+        plan = [(s, w, False) for w in args.workers for s in args.strategies]
+        plan += [] if args.no_straggler else [(s, min(args.workers), True) for s in args.strategies]
+        for strategy, workers, straggler in plan:
+            unslowed = None
+            if straggler:
+                unslowed = next((r["real"] for r in rows if r["name"] == f"{strategy}-{workers}"), None)
+                if unslowed is None:  # not in this run's plan: measure it first
+                    unslowed = compare(strategy, workers, args.epochs, args.target, None, Path(folder))["real"]
+            rows.append(compare(strategy, workers, args.epochs, args.target, unslowed, Path(folder)))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(table(rows))
+    met = sum(row["met"] for row in rows)
+    print(f"\nwithin {TIME_TOLERANCE:.0%} in time and {ACCURACY_POINTS} points in accuracy: {met} of {len(rows)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

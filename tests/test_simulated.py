@@ -1,0 +1,150 @@
+"""`run.engine = "simulated"`: every worker in this process, in virtual time, under the very same strategies."""
+
+import pytest
+import torch
+
+import fast
+from fast.comm import timing
+from fast.comm.scheduler import Deadlock, Simulation
+from fast.emulation import simulated
+from fast.emulation.links import EmulatedLink, LinkTable
+from fast.errors import ConfigError
+from fast.runtime.launch import WorkerFailed
+from tests.test_loop_api import LOOP, _combined_batch_reference
+
+JOB = {
+    "data__name": "digits",
+    "model__name": "mlp",
+    "run__workers": 4,
+    "run__epochs": 1,
+    "run__batch_size": 16,
+    "run__eval_every": 0.5,
+    "run__engine": "simulated",
+    "run__step_time": "4ms",
+}
+SLOW_LINKS = {"network__bandwidth": "20Mbit", "network__latency": "10ms", "network__jitter": "5ms"}
+HOST_FIGURES = ("simulation", "run_dir")
+
+
+def _without_host_figures(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k not in HOST_FIGURES}
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "ad-psgd"])
+def test_two_simulated_runs_with_the_same_seed_give_identical_summaries(tmp_path, strategy):
+    job = {**JOB, **SLOW_LINKS, "strategy__name": strategy, "network__loss": 0.05}
+    first = fast.train(None, out=str(tmp_path / "first"), **job)
+    second = fast.train(None, out=str(tmp_path / "second"), **job)
+    assert first["simulation"]["engine"] == "simulated" and first["simulation"]["host_s"] > 0
+    assert _without_host_figures(first) == _without_host_figures(second)
+    other_seed = fast.train(None, out=str(tmp_path / "other"), **job, run__seed=1)
+    assert other_seed["evaluations"] != first["evaluations"]
+
+
+def test_sync_simulated_reaches_the_weights_of_sync_real(tmp_path, no_orphans):
+    job = {**JOB, "strategy__name": "sync", "run__max_steps": 12, **SLOW_LINKS}
+    simulated_run = fast.train(None, out=str(tmp_path / "sim"), **job)
+    real_run = fast.train(None, out=str(tmp_path / "real"), **{**job, "run__engine": "processes"})
+    assert simulated_run["bytes_sent"] == real_run["bytes_sent"]  # the same messages, counted alike
+    assert simulated_run["steps_per_worker"] == real_run["steps_per_worker"] == 12
+    sim_weights = torch.load(tmp_path / "sim" / "model.pt", weights_only=True)
+    real_weights = torch.load(tmp_path / "real" / "model.pt", weights_only=True)
+    for key, value in real_weights.items():
+        torch.testing.assert_close(sim_weights[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_virtual_time_is_compute_plus_what_the_links_charge(tmp_path):
+    """Two workers, sync, ideal compute of 10 ms: each step adds a ring all-reduce of two chunk messages (one
+    reduce-scatter and one all-gather round), each paying latency plus its bytes over the bandwidth."""
+    job = {**JOB, "strategy__name": "sync", "run__workers": 2, "run__max_steps": 10, "run__eval_every": 0,
+           "run__step_time": "10ms", "network__bandwidth": "8Mbit", "network__latency": "20ms"}  # fmt: skip
+    summary = fast.train(None, out=str(tmp_path), **job)
+    parameters = sum(p.numel() for p in torch.load(tmp_path / "model.pt", weights_only=True).values())
+    chunk_s = (parameters * 4 / 2) / 1e6  # half the gradient, at 8 Mbit/s = 1 MB/s
+    rounds = 2  # N - 1 rounds of reduce-scatter and N - 1 of all-gather for N = 2
+    # the buckets' messages queue on each NIC one after another; the latency is paid once per round
+    expected_step = 0.010 + rounds * (0.020 + chunk_s)
+    assert summary["step_time_s"] == pytest.approx(expected_step, rel=0.02)
+
+
+def test_a_crashed_worker_is_survived_by_gossip_and_ends_sync_with_a_clear_error(tmp_path):
+    crash = {"faults__crash": [{"worker": 2, "step": 6}], "run__deadline_s": 5.0}
+    summary = fast.train(None, out=str(tmp_path / "gossip"), **JOB, **crash, strategy__name="gossip")
+    assert [f["worker"] for f in summary["failures"]] == [2]
+    assert summary["steps_per_worker"] == summary["steps_per_epoch"]  # worker 0 trained to the end
+    assert summary["final_test_accuracy"] > 0.5
+    with pytest.raises(WorkerFailed, match="worker 2 crashed before step 6"):
+        fast.train(None, out=str(tmp_path / "sync"), **JOB, **crash, strategy__name="sync")
+
+
+def _fails_on_worker_1(model, x, y):
+    if fast.job().rank == 1 and fast.job().step == 3:
+        raise ValueError("a bad batch on worker 1")
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_a_worker_that_raises_ends_the_simulated_run_with_its_own_error(tmp_path):
+    with pytest.raises(WorkerFailed, match="worker 1 failed: ValueError: a bad batch on worker 1"):
+        fast.train(None, out=str(tmp_path), step_fn=_fails_on_worker_1, **JOB, strategy__name="sync")
+
+
+def test_the_loop_api_runs_simulated_and_matches_one_worker_with_the_combined_batch(tmp_path):
+    workers, batch, steps = 2, 16, 12
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    overrides = {"run__seed": 0, "run__max_steps": steps, "optimizer__lr": 0.05, "run__engine": "simulated"}
+    summary = fast.run(str(script), str(tmp_path / "loop"), workers=workers, out=str(tmp_path / "loop"), **overrides)
+    assert summary["simulation"]["engine"] == "simulated"
+    weights = torch.load(tmp_path / "loop" / "model.pt", weights_only=True)
+    for key, value in _combined_batch_reference(workers, steps, batch).items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_simulation_where_everyone_waits_forever_is_an_error_naming_the_waits():
+    sim = Simulation()
+
+    def wait_for_a_notify() -> None:
+        changed = timing.Condition()
+        with changed:
+            changed.wait()
+
+    sim.spawn(wait_for_a_notify, "worker 0", rank=0, main=True)
+    sim.spawn(wait_for_a_notify, "worker 1", rank=1, main=True)
+    with pytest.raises(Deadlock, match="worker 0 waits for a condition; worker 1 waits for a condition"):
+        sim.run()
+
+
+def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_before():
+    sim = Simulation()
+    links = LinkTable(size=2, default=EmulatedLink(latency_s=0.05, bandwidth_Bps=1e6))
+    simulated.start(sim, 2, links, seed=0)
+    arrivals: list[float] = []
+
+    def sender() -> None:
+        comm = simulated.world(0, torch.device("cpu"), 10.0)
+        comm.isend(torch.zeros(250_000), 1, tag=3)  # 1 MB: 1 s on the wire
+        comm.send(torch.zeros(250_000), 1, tag=3)
+
+    def receiver() -> None:
+        comm = simulated.world(1, torch.device("cpu"), 10.0)
+        for _ in range(2):
+            comm.recv(torch.empty(250_000), 0, tag=3)
+            arrivals.append(timing.now())
+
+    sim.spawn(sender, "worker 0", rank=0, main=True)
+    sim.spawn(receiver, "worker 1", rank=1, main=True)
+    sim.run()
+    assert arrivals == pytest.approx([1.05, 2.05])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"run__engine": "virtual"}, r"run\.engine"),
+        ({"run__step_time": "soon"}, r"run\.step_time"),
+        ({"run__max_restarts": 1}, r"run\.max_restarts"),
+    ],
+)
+def test_a_bad_simulation_setting_is_a_one_line_error(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        fast.train(None, out=str(tmp_path), **{**JOB, **overrides})
