@@ -1,13 +1,16 @@
 """`run.engine = "simulated"`: every worker in this process, in virtual time, under the very same strategies."""
 
+import sys
+
 import pytest
 import torch
 
 import fast
 from fast.comm import timing
 from fast.comm.scheduler import Deadlock, Simulation
-from fast.emulation import simulated
 from fast.emulation.links import EmulatedLink, LinkTable
+from fast.emulation.simulated_comm import world
+from fast.emulation.wire import start
 from fast.errors import ConfigError
 from fast.runtime.launch import WorkerFailed
 from tests.test_loop_api import LOOP, _combined_batch_reference
@@ -93,8 +96,12 @@ def test_the_loop_api_runs_simulated_and_matches_one_worker_with_the_combined_ba
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     overrides = {"run__seed": 0, "run__max_steps": steps, "optimizer__lr": 0.05, "run__engine": "simulated"}
+    main, argv = sys.modules["__main__"], list(sys.argv)
     summary = fast.run(str(script), str(tmp_path / "loop"), workers=workers, out=str(tmp_path / "loop"), **overrides)
     assert summary["simulation"]["engine"] == "simulated"
+    # the scripts ran in this process: what they set process-wide is back (processes started later would
+    # otherwise run the script again as their __main__)
+    assert sys.modules["__main__"] is main and sys.argv == argv
     weights = torch.load(tmp_path / "loop" / "model.pt", weights_only=True)
     for key, value in _combined_batch_reference(workers, steps, batch).items():
         torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5)
@@ -117,16 +124,16 @@ def test_a_simulation_where_everyone_waits_forever_is_an_error_naming_the_waits(
 def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_before():
     sim = Simulation()
     links = LinkTable(size=2, default=EmulatedLink(latency_s=0.05, bandwidth_Bps=1e6))
-    simulated.start(sim, 2, links, seed=0)
+    start(sim, 2, links, seed=0)
     arrivals: list[float] = []
 
     def sender() -> None:
-        comm = simulated.world(0, torch.device("cpu"), 10.0)
+        comm = world(0, torch.device("cpu"), 10.0)
         comm.isend(torch.zeros(250_000), 1, tag=3)  # 1 MB: 1 s on the wire
         comm.send(torch.zeros(250_000), 1, tag=3)
 
     def receiver() -> None:
-        comm = simulated.world(1, torch.device("cpu"), 10.0)
+        comm = world(1, torch.device("cpu"), 10.0)
         for _ in range(2):
             comm.recv(torch.empty(250_000), 0, tag=3)
             arrivals.append(timing.now())

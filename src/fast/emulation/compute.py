@@ -111,6 +111,11 @@ class EmulatedMachine:
         return self._compute_s if self._steps_timed else None
 
     def _crash(self, step: int | None = None) -> None:
+        self._report_crash(step)
+        os._exit(CRASH_EXIT_CODE)
+
+    def _report_crash(self, step: int | None) -> str:
+        """One line to the worker's metrics file and one to stderr; returns when it crashed, in words."""
         elapsed = round(timing.wall() - self.origin, 4)
         where = f"before step {step}" if step is not None else f"{elapsed:g} s after the start"
         if self.events_file is not None:
@@ -122,7 +127,7 @@ class EmulatedMachine:
                 f.write(json.dumps(event) + "\n")
         print(f"fast: worker {self.plan.rank} crashed {where} (fault injected by [faults] crash)", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(CRASH_EXIT_CODE)
+        return where
 
     def record(self) -> dict[str, Any]:
         """What this machine did, for summary.json."""

@@ -113,7 +113,8 @@ def machine_for(
         crash_time_s=min(times) if times else None,
     )
     if simulated:
-        from fast.emulation.simulated import SimulatedMachine, wire
+        from fast.emulation.simulated_machine import SimulatedMachine
+        from fast.emulation.wire import wire
 
         return SimulatedMachine(plan, wire(), config.run.step_time_s, events_file)
     return EmulatedMachine(plan, events_file)

@@ -115,6 +115,10 @@ class Ending:
         if self.model is None:
             raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
         self._eval_fn = eval_fn or self._eval_fn
+        if self.simulated and self.is_main:
+            from fast.emulation.wire import training_ends
+
+            training_ends()
         try:
             summary = self._finish_worker()
         finally:
@@ -382,7 +386,7 @@ class Ending:
         if emulated(config):
             summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
         if self.simulated:
-            from fast.emulation.simulated import host_figures
+            from fast.emulation.wire import host_figures
 
             summary["simulation"] = host_figures()
         for p in everyone:  # strategy figures (a server's included); worker 0's come last and win

@@ -36,8 +36,9 @@ from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
 from fast.comm.patience import PatientGroup
 from fast.config import Config
-from fast.emulation import simulated
 from fast.emulation.deployment import comm_maker, machine_for, network_for
+from fast.emulation.simulated_comm import world as simulated_world
+from fast.emulation.wire import place
 from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
 from fast.optim import build_schedule
@@ -110,7 +111,7 @@ def init(
         if not config.is_file():
             raise ConfigError(f"resume {resume_dir}: no config.toml there; give the folder of an earlier run")
     config = resolve_config(config, **overrides)
-    alone = simulated.place() is None and not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
+    alone = place() is None and not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
     if alone:
         config = _alone(config)
     run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or default_run_dir(config))
@@ -155,9 +156,9 @@ class Job(Evaluating, Checkpointing, Ending):
 
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
         self.config, self.run_dir, self.resuming, self.alone = config, run_dir, resume, alone
-        place = simulated.place()
-        self.simulated = place is not None
-        self.rank, self.world_size = place or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        where = place()
+        self.simulated = where is not None
+        self.rank, self.world_size = where or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         run = config.run
         self.workers = run.workers
         expected = world_size(config)
@@ -182,7 +183,7 @@ class Job(Evaluating, Checkpointing, Ending):
             prepare_run_dir(config, run_dir, resume)
         self.device = engine.device_for(run.device)
         self.world: Comm = (
-            simulated.world(self.rank, self.device, run.deadline_s)
+            simulated_world(self.rank, self.device, run.deadline_s)
             if self.simulated
             else engine.start(
                 self.rank,

@@ -16,8 +16,9 @@ import torch
 
 from fast.comm.scheduler import Deadlock, Simulation, Task
 from fast.config import Config
-from fast.emulation import simulated
 from fast.emulation.deployment import link_table
+from fast.emulation.simulated_machine import Crashed
+from fast.emulation.wire import ideal_links, start
 from fast.runtime.launch import Failure, WorkerFailed, _root_cause, failure_of
 
 
@@ -26,8 +27,8 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
     """Run `fn(*args)` as each of `nprocs` simulated processes; returns each rank's return value, or raises
     WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out)."""
     sim = Simulation()
-    links = link_table(config, nprocs) if config.network is not None else simulated.ideal_links(nprocs)
-    wire = simulated.start(sim, nprocs, links, config.run.seed)
+    links = link_table(config, nprocs) if config.network is not None else ideal_links(nprocs)
+    wire = start(sim, nprocs, links, config.run.seed)
 
     def failed(task: Task) -> None:  # a process that fails closes its connections: its peers learn it at once
         if task.rank not in wire.gone and not _ended_well(task.error):
@@ -52,7 +53,7 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
         error = task.error
         if _ended_well(error):
             outputs[rank] = task.result
-        elif isinstance(error, simulated.Crashed):
+        elif isinstance(error, Crashed):
             outputs[rank] = Failure(str(error), 1)
         else:
             outputs[rank] = failure_of(error, task.traceback) if not isinstance(error, SystemExit) else Failure(

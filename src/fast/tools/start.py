@@ -81,8 +81,17 @@ def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict
         raise ConfigError('run.max_restarts restarts real processes: leave it at 0 with run.engine = "simulated"')
     if config.run.device != "cpu":
         raise ConfigError('the simulated engine runs on the CPU: set run.device = "cpu" with run.engine = "simulated"')
-    with _environment(extra_env or {}):
-        return simulate(fn, config, nprocs, args, survivable=strategy_for(config).survives_failures)
+    # the simulated processes share this one: what each sets process-wide (a script's sys.argv and its __main__
+    # module, set and restored by runpy in the order the tasks interleave) is put back afterwards, or processes
+    # this one starts later would run the script again as their __main__
+    argv, main = list(sys.argv), sys.modules.get("__main__")
+    try:
+        with _environment(extra_env or {}):
+            return simulate(fn, config, nprocs, args, survivable=strategy_for(config).survives_failures)
+    finally:
+        sys.argv[:] = argv
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 class _environment:

@@ -1,4 +1,4 @@
-"""The simulated engine under `comm`: every process of the run is a task of one `Simulation`, in virtual time.
+"""The simulated engine's `Comm`: every process of the run is a task of one `Simulation`, in virtual time.
 
 `SimComm` is an emulated `Comm` whose messages never leave the process: a message is a copy of its payload put
 in the receiver's mailbox when it is sent. It becomes deliverable when the link model says (`Network.transmit`:
@@ -13,137 +13,21 @@ rounds, each as long as its slowest hop (latency plus the chunk over the bandwid
 dissemination barrier ⌈log2 N⌉ rounds. A group's collectives run one after another in the order they were
 called, as the emulated ones do; each member's bytes are counted exactly as the emulated rounds count them.
 Measurement traffic (`unmetered()`) takes no time, as under emulation.
-
-`SimulatedMachine` charges each step its compute time in virtual time (`run.step_time` times the worker's
-slowdown, plus straggler pauses), and a crash ends the worker's tasks, not the process.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
-import resource
-import statistics
-import sys
-import time
-from collections import defaultdict
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from fast.comm import timeline, timing
+from fast.comm import timing
 from fast.comm.comm import Handle, MessageLost
-from fast.comm.scheduler import Simulation, current_task, simulation
-from fast.emulation.compute import EmulatedMachine, MachinePlan
-from fast.emulation.links import EmulatedLink, LinkTable
-from fast.emulation.network import EmulatedComm, Network, Stamp, Transmission, _as_bytes, sleep_until
+from fast.comm.scheduler import current_task
+from fast.emulation.network import EmulatedComm, Stamp, Transmission, _as_bytes, sleep_until
+from fast.emulation.wire import Meeting, Message, Wire, wire
 from fast.errors import CommError
-
-MEASURED_STEPS = 20  # run.step_time = "auto": steps timed on the host before the estimate is frozen
-
-
-class Crashed(BaseException):
-    """A simulated machine failure: ends every task of the worker (BaseException: nothing may catch it)."""
-
-
-@dataclass
-class Message:
-    src: int
-    tag: int
-    payload: torch.Tensor | None  # None: lost on its link
-    length: int
-    deliver_at: float
-    order: int
-    measurement: bool
-
-
-@dataclass
-class Meeting:
-    """One collective of a group: what each member brought, and, once all have, the result and its time."""
-
-    members: list[int]
-    brought: dict[int, Any]
-    result: Any = None
-    done_at: float | None = None
-    waiting: list[Any] | None = None
-
-
-class Wire:
-    """The run's mailboxes, (group, receiver) -> messages not yet taken, and the tasks waiting on them."""
-
-    def __init__(self, sim: Simulation, world_size: int, links: LinkTable, seed: int) -> None:
-        self.sim, self.world_size, self.links, self.seed = sim, world_size, links, seed
-        self.boxes: dict[tuple[int, int], list[Message]] = defaultdict(list)
-        self.waiters: dict[tuple[int, int], list[Any]] = defaultdict(list)
-        self.gone: dict[int, str] = {}
-        self.groups: dict[tuple[Any, ...], int] = {}
-        self.meetings: dict[tuple[int, int], Meeting] = {}
-        self.busy_until: dict[int, float] = defaultdict(float)  # a group's collectives run one after another
-        self.networks = [Network(links, rank, seed) for rank in range(world_size)]
-        for network in self.networks:
-            network.start_clock(0.0)  # virtual time; the machines move it to the start of training
-        self._order = itertools.count()
-        self.host_started = time.perf_counter()
-
-    def group(self, key: tuple[Any, ...]) -> int:
-        """The number of the group every member names by `key` (members create their groups in the same order)."""
-        return self.groups.setdefault(key, len(self.groups))
-
-    def post(self, group: int, dst: int, message: Message) -> None:
-        message.order = next(self._order)
-        self.boxes[(group, dst)].append(message)
-        for task in self.waiters[(group, dst)]:
-            self.sim.wake(task, message.deliver_at)
-
-    def _heads(self, group: int, dst: int, src: int | None, tag: int) -> list[Message]:
-        """The first message of each sender on `tag` (a link keeps its messages in order)."""
-        heads: dict[int, Message] = {}
-        for message in self.boxes[(group, dst)]:
-            if message.tag == tag and (src is None or message.src == src) and message.src not in heads:
-                heads[message.src] = message
-        return list(heads.values())
-
-    def take(self, group: int, dst: int, src: int | None, tag: int) -> Message | None:
-        ready = [m for m in self._heads(group, dst, src, tag) if m.deliver_at <= self.sim.now]
-        if not ready:
-            return None
-        message = min(ready, key=lambda m: (m.deliver_at, m.order))
-        self.boxes[(group, dst)].remove(message)
-        return message
-
-    def next_at(self, group: int, dst: int, src: int | None, tag: int) -> float | None:
-        return min((m.deliver_at for m in self._heads(group, dst, src, tag)), default=None)
-
-    def leave(self, rank: int, why: str) -> None:
-        """`rank` is gone: whoever waits on a message from it, or in a collective with it, learns so now."""
-        self.gone[rank] = why
-        for tasks in self.waiters.values():
-            for task in tasks:
-                self.sim.wake(task)
-        for meeting in self.meetings.values():
-            for task in meeting.waiting or []:
-                self.sim.wake(task)
-
-    def hop_s(self, ranks: list[int], nbytes: float) -> float:
-        """One round of a ring over `ranks` carrying `nbytes` per message: its slowest hop."""
-        n = len(ranks)
-        return max(self._message_s(ranks[i], ranks[(i + 1) % n], nbytes) for i in range(n))
-
-    def tree_round_s(self, ranks: list[int], nbytes: float) -> float:
-        """One round of a tree over `ranks`: the slowest link of the group."""
-        return max(self._message_s(a, b, nbytes) for a in ranks for b in ranks if a != b) if len(ranks) > 1 else 0
-
-    def _message_s(self, src: int, dst: int, nbytes: float) -> float:
-        link = self.links.link(src, dst)
-        return link.latency_s + link.transfer_s(int(nbytes))
-
-
-def ideal_links(size: int) -> LinkTable:
-    """Links that take no time: a simulation without [network] charges compute only."""
-    return LinkTable(size=size, default=EmulatedLink(latency_s=0.0, bandwidth_Bps=math.inf))
 
 
 class _Until:
@@ -414,85 +298,6 @@ class _Attend:
         return True
 
 
-class SimulatedMachine(EmulatedMachine):
-    """A worker's machine in virtual time: each step costs `step_time` (measured on the host when None)."""
-
-    def __init__(self, plan: MachinePlan, wire: Wire, step_time_s: float | None, events_file: Any = None) -> None:
-        super().__init__(plan, events_file)
-        self.wire = wire
-        self.fixed_s = step_time_s
-        self._host_started: float | None = None
-
-    def _estimate_s(self) -> float:
-        """The compute of one step: fixed by the config, or the median of the first steps timed on the host
-        (shared by every worker of the simulation)."""
-        if self.fixed_s is not None:
-            return self.fixed_s
-        timed: list[float] = self.wire.__dict__.setdefault("host_step_s", [])
-        return statistics.median(timed) if timed else 0.0
-
-    def before_step(self, step: int) -> None:
-        plan = self.plan
-        if plan.crash_step is not None and step >= plan.crash_step:
-            self._crash(step)
-        compute = self._estimate_s()
-        pause = plan.pause_s(step)
-        if pause > 0:
-            self.paused_s += pause
-            self.pauses.append([step, pause])
-        self.slowdown_s += (plan.factor(step) - 1.0) * compute
-        self._steps_timed += 1
-        self._compute_s = compute
-        with timeline.span("compute (simulated)", "compute"):
-            timing.sleep(plan.factor(step) * compute + pause)
-        task = current_task()
-        self._host_started = task.host_s if task is not None else None
-
-    def after_step(self) -> None:
-        task = current_task()
-        if self.fixed_s is None and task is not None and self._host_started is not None:
-            timed: list[float] = self.wire.__dict__.setdefault("host_step_s", [])
-            if len(timed) < MEASURED_STEPS:
-                timed.append(task.host_s - self._host_started)
-        self._host_started = None
-
-    def _crash(self, step: int | None = None) -> None:
-        elapsed = round(timing.wall() - self.origin, 4)
-        where = f"before step {step}" if step is not None else f"{elapsed:g} s after the start"
-        if self.events_file is not None:
-            event = {"worker": self.plan.rank, "kind": "fault", "fault": "crash", "time_s": elapsed}
-            if step is not None:
-                event["step"] = step
-            self.events_file.parent.mkdir(parents=True, exist_ok=True)
-            with self.events_file.open("a") as f:
-                f.write(json.dumps(event) + "\n")
-        print(f"fast: simulated worker {self.plan.rank} crashed {where} (fault injected by [faults] crash)",
-              file=sys.stderr)  # fmt: skip
-        crash = Crashed(f"worker {self.plan.rank} crashed {where}")
-        self.wire.leave(self.plan.rank, "crashed")
-        sim, me = self.wire.sim, current_task()
-        for task in sim.tasks:
-            if task.rank == self.plan.rank and task is not me:
-                sim.kill(task, crash)
-        if me is not None and me.rank == self.plan.rank:
-            raise crash
-
-
-def place() -> tuple[int, int] | None:
-    """(rank, world size) of the calling simulated process, or None in a real one."""
-    task, sim = current_task(), simulation()
-    if task is None or sim is None or task.rank is None:
-        return None
-    return task.rank, sim.__dict__["wire"].world_size
-
-
-def wire() -> Wire:
-    """The wire of the calling task's simulation."""
-    sim = simulation()
-    assert sim is not None
-    return sim.__dict__["wire"]
-
-
 def world(rank: int, device: torch.device, deadline_s: float) -> SimComm:
     """Simulated process `rank`'s Comm over every process of the run (what `bootstrap.start` is to a real one)."""
     if device.type != "cpu":
@@ -500,23 +305,3 @@ def world(rank: int, device: torch.device, deadline_s: float) -> SimComm:
     the_wire = wire()
     return SimComm(wire=the_wire, group_id=the_wire.group(("world",)), deadline_s=deadline_s, device=device,
                    rank=rank)  # fmt: skip
-
-
-def host_figures() -> dict[str, Any]:
-    """What the simulation cost the host so far: its seconds, the process's peak memory, and the compute time
-    a step was charged (as `run.step_time` would fix it)."""
-    the_wire = wire()
-    timed = the_wire.__dict__.get("host_step_s")
-    return {
-        "engine": "simulated",
-        "host_s": round(time.perf_counter() - the_wire.host_started, 3),
-        "peak_memory_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "step_time_s": statistics.median(timed) if timed else None,
-    }
-
-
-def start(sim: Simulation, world_size: int, links: LinkTable, seed: int) -> Wire:
-    """Lay the wire of a simulated run of `world_size` processes."""
-    the_wire = Wire(sim, world_size, links, seed)
-    sim.__dict__["wire"] = the_wire
-    return the_wire

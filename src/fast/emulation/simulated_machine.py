@@ -1,0 +1,75 @@
+"""The simulated engine's machine under a worker: each step charged its compute time in virtual time.
+
+A step costs `run.step_time` (or, when it is "auto", the median of the first steps timed on the host) times the
+worker's slowdown, plus straggler pauses, as emulation has them; a crash ends the worker's tasks, not the process.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from fast.comm import timeline, timing
+from fast.comm.scheduler import current_task
+from fast.emulation.compute import EmulatedMachine, MachinePlan
+from fast.emulation.wire import Wire
+
+MEASURED_STEPS = 20  # run.step_time = "auto": steps timed on the host before the estimate is frozen
+
+
+class Crashed(BaseException):
+    """A simulated machine failure: ends every task of the worker (BaseException: nothing may catch it)."""
+
+
+class SimulatedMachine(EmulatedMachine):
+    """A worker's machine in virtual time: each step costs `step_time` (measured on the host when None)."""
+
+    def __init__(self, plan: MachinePlan, wire: Wire, step_time_s: float | None, events_file: Any = None) -> None:
+        super().__init__(plan, events_file)
+        self.wire = wire
+        self.fixed_s = step_time_s
+        self._host_started: float | None = None
+
+    def _estimate_s(self) -> float:
+        """The compute of one step: fixed by the config, or the median of the first steps timed on the host
+        (shared by every worker of the simulation)."""
+        if self.fixed_s is not None:
+            return self.fixed_s
+        timed: list[float] = self.wire.__dict__.setdefault("host_step_s", [])
+        return statistics.median(timed) if timed else 0.0
+
+    def before_step(self, step: int) -> None:
+        plan = self.plan
+        if plan.crash_step is not None and step >= plan.crash_step:
+            self._crash(step)
+        compute = self._estimate_s()
+        pause = plan.pause_s(step)
+        if pause > 0:
+            self.paused_s += pause
+            self.pauses.append([step, pause])
+        self.slowdown_s += (plan.factor(step) - 1.0) * compute
+        self._steps_timed += 1
+        self._compute_s = compute
+        with timeline.span("compute (simulated)", "compute"):
+            timing.sleep(plan.factor(step) * compute + pause)
+        task = current_task()
+        self._host_started = task.host_s if task is not None else None
+
+    def after_step(self) -> None:
+        task = current_task()
+        if self.fixed_s is None and task is not None and self._host_started is not None:
+            timed: list[float] = self.wire.__dict__.setdefault("host_step_s", [])
+            if len(timed) < MEASURED_STEPS:
+                timed.append(task.host_s - self._host_started)
+        self._host_started = None
+
+    def _crash(self, step: int | None = None) -> None:
+        """The worker's tasks end (its machine failed); the other simulated processes go on."""
+        crash = Crashed(f"worker {self.plan.rank} crashed {self._report_crash(step)}")
+        self.wire.leave(self.plan.rank, "crashed")
+        sim, me = self.wire.sim, current_task()
+        for task in sim.tasks:
+            if task.rank == self.plan.rank and task is not me:
+                sim.kill(task, crash)
+        if me is not None and me.rank == self.plan.rank:
+            raise crash
