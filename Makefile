@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: setup data demo test bench lint clean
+.PHONY: setup data demo test bench bench-sim lint clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench: setup data  # about 70 minutes on 2 cores; each script prints its ratios 
 	$(PY) bench/async_momentum.py
 	$(PY) bench/stragglers.py
 	$(PY) bench/codecs.py
+
+bench-sim: setup data  # the simulated engine: against real runs (about 25 minutes), then at scale (about 40)
+	$(PY) bench/sim_vs_real.py
+	$(PY) bench/sim_scale.py
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench examples

@@ -155,3 +155,18 @@ def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_
 def test_a_bad_simulation_setting_is_a_one_line_error(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         fast.train(None, out=str(tmp_path), **{**JOB, **overrides})
+
+
+def test_a_simulated_comparison_writes_its_report_with_the_engine_and_each_variant_host_time(tmp_path):
+    config = {
+        "run": {"workers": 2, "max_steps": 6, "batch_size": 16, "eval_every": 0, "engine": "simulated",
+                "step_time": "4ms"},
+        "data": {"name": "digits"},
+        "model": {"name": "mlp"},
+        "variant": [{"name": "sync", "strategy": {"name": "sync"}}, {"name": "ring", "strategy": {"name": "gossip"}}],
+    }  # fmt: skip
+    comparison = fast.compare(config, out=str(tmp_path))
+    assert not comparison.failed
+    report = comparison.report.read_text()
+    assert "simulated: every worker in one process, all times virtual" in report
+    assert "host time sync " in report and ", ring " in report

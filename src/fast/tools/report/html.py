@@ -144,7 +144,7 @@ def _deployment_section(runs: list[Run], deployment: dict | None) -> str:
         host = ", ".join(f"{escape(run.name)} {run.summary['simulation']['host_s']:.0f} s" for run in simulated)
         items.append(
             "<dt>engine</dt><dd>simulated: every worker in one process, all times virtual (the links' and "
-            f"`run.step_time`'s); host time {host}</dd>"
+            f"<code>run.step_time</code>'s); host time {host}</dd>"
         )
     elif not any(key in deployment for key in DEPLOYMENT_SECTIONS):
         items.append("<dt>links</dt><dd>no link, compute or fault model configured (real local links)</dd>")
