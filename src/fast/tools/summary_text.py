@@ -31,6 +31,9 @@ def print_summary(summary: dict[str, Any]) -> None:
             table.add_row(key, fmt(summary[key]))
     for target, seconds in (summary.get("time_to_accuracy_s") or {}).items():
         table.add_row(f"time to {target}", fmt(seconds))
+    simulation = summary.get("simulation")
+    if simulation:  # the times above are virtual
+        table.add_row("engine", f"simulated (virtual times; {simulation['host_s']:.0f} s on this host)")
     console = Console()
     console.print(table)
     if "run_dir" in summary:
