@@ -81,6 +81,7 @@ class Simulation:
         self._back = _held()  # the baton's way back to the scheduler
         self.running: Task | None = None
         self.mains_left = 0  # main tasks not done yet
+        self.shared: dict[str, Any] = {}  # one object per simulation (its wire, a pool of helpers, data sets)
         self.on_failure: Callable[[Task], None] | None = None  # told of a main task that ended with an error
 
     # -- tasks ---------------------------------------------------------------------------------------------

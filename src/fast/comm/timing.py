@@ -55,7 +55,7 @@ _shared: dict[str, Any] = {}
 def shared(key: str, make: Callable[[], Any]) -> Any:
     """One object per process, or per simulation (a pool of helper threads, say), made on first use."""
     sim = simulation()
-    store = _shared if sim is None else sim.__dict__.setdefault("shared", {})
+    store = _shared if sim is None else sim.shared
     if key not in store:
         store[key] = make()
     return store[key]

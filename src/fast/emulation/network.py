@@ -146,6 +146,16 @@ class Network:
             }
 
 
+def reduce_into(total: torch.Tensor, part: torch.Tensor, op: str) -> None:
+    """total <- total op part, in place: max, min, or a sum (for "sum" and "mean")."""
+    if op == "max":
+        torch.maximum(total, part, out=total)
+    elif op == "min":
+        torch.minimum(total, part, out=total)
+    else:
+        total.add_(part)
+
+
 def sleep_until(t: float) -> None:
     """Wait (as communication: see `fast.comm.waiting`) until timing.wall() reaches `t`."""
     delay = t - timing.wall()
@@ -386,12 +396,7 @@ class EmulatedComm(Comm):
             mine, theirs = chunks[(i - step) % n], chunks[(i - step - 1) % n]
             incoming = torch.empty_like(theirs)
             self._exchange(mine, right, incoming, left)
-            if op == "max":
-                torch.maximum(theirs, incoming, out=theirs)
-            elif op == "min":
-                torch.minimum(theirs, incoming, out=theirs)
-            else:
-                theirs.add_(incoming)
+            reduce_into(theirs, incoming, op)
         for step in range(n - 1):  # all-gather of the reduced chunks
             self._exchange(chunks[(i + 1 - step) % n], right, chunks[(i - step) % n], left)
         if op == "mean":

@@ -25,7 +25,7 @@ import torch
 from fast.comm import timing
 from fast.comm.comm import Handle, MessageLost
 from fast.comm.scheduler import current_task
-from fast.emulation.network import EmulatedComm, Stamp, Transmission, _as_bytes, sleep_until
+from fast.emulation.network import EmulatedComm, Stamp, Transmission, _as_bytes, reduce_into, sleep_until
 from fast.emulation.wire import Meeting, Message, Wire, wire
 from fast.errors import CommError
 
@@ -50,6 +50,7 @@ class _Receive:
     def __init__(self, comm: SimComm, src: int | None, tag: int) -> None:
         self.comm, self.src, self.tag = comm, src, tag
         self.message: Message | None = None
+        self._arrived_at: float | None = None
 
     def _key(self) -> tuple[int, int]:
         return self.comm.group_id, self.comm.rank
@@ -63,7 +64,7 @@ class _Receive:
     def _arrival(self) -> float:
         message = self.message
         assert message is not None
-        if not hasattr(self, "_arrived_at"):
+        if self._arrived_at is None:
             stamp = Stamp(message.deliver_at, message.payload is None, message.length, message.measurement)
             self._arrived_at = self.comm._arrival(message.src, message.length, stamp)
         return self._arrived_at
@@ -210,12 +211,7 @@ class SimComm(EmulatedComm):
             parts = [brought[r] for r in self.ranks]
             total = parts[0].clone()
             for part in parts[1:]:
-                if op == "max":
-                    torch.maximum(total, part, out=total)
-                elif op == "min":
-                    torch.minimum(total, part, out=total)
-                else:
-                    total.add_(part)
+                reduce_into(total, part, op)
             return total.div_(n) if op == "mean" else total
 
         def rounds_s() -> float:

@@ -35,7 +35,7 @@ class SimulatedMachine(EmulatedMachine):
         (shared by every worker of the simulation)."""
         if self.fixed_s is not None:
             return self.fixed_s
-        timed: list[float] = self.wire.__dict__.setdefault("host_step_s", [])
+        timed = self.wire.host_step_s
         return statistics.median(timed) if timed else 0.0
 
     def before_step(self, step: int) -> None:
@@ -58,7 +58,7 @@ class SimulatedMachine(EmulatedMachine):
     def after_step(self) -> None:
         task = current_task()
         if self.fixed_s is None and task is not None and self._host_started is not None:
-            timed: list[float] = self.wire.__dict__.setdefault("host_step_s", [])
+            timed = self.wire.host_step_s
             if len(timed) < MEASURED_STEPS:
                 timed.append(task.host_s - self._host_started)
         self._host_started = None

@@ -62,6 +62,8 @@ class Wire:
             network.start_clock(0.0)  # virtual time; the machines move it to the start of training
         self._order = itertools.count()
         self.host_started = time.perf_counter()
+        self.training_host_s: float | None = None  # until worker 0 was done training
+        self.host_step_s: list[float] = []  # run.step_time = "auto": the first steps, timed on the host
 
     def group(self, key: tuple[Any, ...]) -> int:
         """The number of the group every member names by `key` (members create their groups in the same order)."""
@@ -126,31 +128,32 @@ def place() -> tuple[int, int] | None:
     task, sim = current_task(), simulation()
     if task is None or sim is None or task.rank is None:
         return None
-    return task.rank, sim.__dict__["wire"].world_size
+    return task.rank, sim.shared["wire"].world_size
 
 
 def wire() -> Wire:
     """The wire of the calling task's simulation."""
     sim = simulation()
     assert sim is not None
-    return sim.__dict__["wire"]
+    return sim.shared["wire"]
 
 
 def training_ends() -> None:
     """Worker 0 is done training (what follows is the end: final model, evaluations, outputs)."""
     the_wire = wire()
-    the_wire.__dict__.setdefault("training_host_s", round(time.perf_counter() - the_wire.host_started, 3))
+    if the_wire.training_host_s is None:
+        the_wire.training_host_s = round(time.perf_counter() - the_wire.host_started, 3)
 
 
 def host_figures() -> dict[str, Any]:
     """What the simulation cost the host so far: its seconds (all, and until worker 0 was done training), the
     process's peak memory, and the compute time a step was charged (as `run.step_time` would fix it)."""
     the_wire = wire()
-    timed = the_wire.__dict__.get("host_step_s")
+    timed = the_wire.host_step_s
     return {
         "engine": "simulated",
         "host_s": round(time.perf_counter() - the_wire.host_started, 3),
-        "training_host_s": the_wire.__dict__.get("training_host_s"),
+        "training_host_s": the_wire.training_host_s,
         "peak_memory_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "step_time_s": statistics.median(timed) if timed else None,
     }
@@ -159,5 +162,5 @@ def host_figures() -> dict[str, Any]:
 def start(sim: Simulation, world_size: int, links: LinkTable, seed: int) -> Wire:
     """Lay the wire of a simulated run of `world_size` processes."""
     the_wire = Wire(sim, world_size, links, seed)
-    sim.__dict__["wire"] = the_wire
+    sim.shared["wire"] = the_wire
     return the_wire
