@@ -10,10 +10,12 @@ and once more per strategy at 4 workers with worker 3 three times slower (`[comp
 
 The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its
 step time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records),
-so that the comparison isolates what the simulation models, the links and the waiting, from the contention of N
-processes for this machine's cores. A slowdown f makes emulation sleep (f − 1) x the step's compute, while the
-simulation charges f x all of that busy time: the simulated straggler is given the slowdown that adds the same
-time, 1 + (f − 1) x compute / busy, with compute and busy taken from the run without a straggler.
+and per evaluation what the real run's evaluations took (`eval_time_s`; worker 0's peers may wait for it), so
+that the comparison isolates what the simulation models, the links and the waiting, from the contention of N
+processes for this machine's cores. With a straggler the others compute faster (one process fewer contends for
+the cores), so the simulation is charged that run's own compute (`step_compute_s`, plus the unslowed run's
+per-step work outside it); a slowdown f makes emulation sleep (f − 1) x the measured compute, and the simulated
+straggler is given the slowdown that adds the same time, 1 + (f − 1) x compute / charged.
 Targets of the issue: simulated step time and time to target within 15% of the real run's; final accuracy within
 1.5 points.
 """
@@ -57,6 +59,7 @@ def figures(summary: dict[str, Any], target: float) -> dict[str, Any]:
         "accuracy": summary["final_test_accuracy"],
         "busy_s": summary["step_time_s"] * (1 - (summary.get("time_shares") or {}).get("wait", 0.0)),
         "compute_s": summary.get("step_compute_s"),
+        "eval_time_s": summary["eval_time_s"],
         "bytes_sent": summary["bytes_sent"],
         "host_s": (summary.get("simulation") or {}).get("host_s"),
     }
@@ -73,13 +76,13 @@ def compare(strategy: str, workers: int, epochs: float, target: float, unslowed:
     config = job(strategy, workers, epochs, target, straggler)
     name = f"{strategy}-{workers}{'-straggler' if straggler else ''}"
     real = figures(fast.train(config, out=str(out / f"{name}-real")), target)
-    busy = (unslowed or real)["busy_s"]
-    if unslowed is not None:  # the same extra time per step as emulation's sleep of (f - 1) x compute
+    busy = real["busy_s"]
+    if unslowed is not None:  # this run's own compute, and the same extra time as emulation's (f - 1) x compute
+        busy = real["compute_s"] + unslowed["busy_s"] - unslowed["compute_s"]
         factor = config["compute"]["slowdown"][-1]
-        extra = 1 + (factor - 1) * unslowed["compute_s"] / busy
-        config["compute"]["slowdown"] = [1.0] * (workers - 1) + [extra]
+        config["compute"]["slowdown"] = [1.0] * (workers - 1) + [1 + (factor - 1) * real["compute_s"] / busy]
     simulated = figures(fast.train(config, out=str(out / f"{name}-sim"), run__engine="simulated",
-                                   run__step_time=busy), target)  # fmt: skip
+                                   run__step_time=busy, run__eval_time=real["eval_time_s"]), target)  # fmt: skip
     row = {"name": name, "real": real, "simulated": simulated,
            "step_ratio": ratio(simulated["step_time_s"], real["step_time_s"]),
            "target_ratio": ratio(simulated["time_to_target_s"], real["time_to_target_s"]),

@@ -70,6 +70,28 @@ def test_virtual_time_is_compute_plus_what_the_links_charge(tmp_path):
     assert summary["step_time_s"] == pytest.approx(expected_step, rel=0.02)
 
 
+def test_gossip_exchange_travels_during_the_compute_and_an_evaluation_holds_up_the_peers(tmp_path):
+    """Gossip posts its exchange before the forward pass: with 100 ms of compute and a message of well under
+    100 ms, a step costs the compute alone. An evaluation of `run.eval_time` on worker 0 holds up its peer,
+    which waits for worker 0's next message; worker 0's own clock leaves it out, as a real run's does."""
+    job = {**JOB, "strategy__name": "gossip", "run__workers": 2, "run__max_steps": 20, "run__eval_every": 0,
+           "run__step_time": "100ms", "network__bandwidth": "100Mbit", "network__latency": "10ms"}  # fmt: skip
+    free = fast.train(None, out=str(tmp_path / "free"), **job)
+    parameters = sum(p.numel() for p in torch.load(tmp_path / "free" / "model.pt", weights_only=True).values())
+    message_s = 0.010 + parameters * 4 / 12.5e6
+    assert message_s < 0.08
+    assert free["step_time_s"] == pytest.approx(0.100, rel=0.03)  # not 0.100 + message_s
+    assert free["eval_time_s"] == 0.0
+    stride = {"run__max_steps": 40, "run__eval_every": 0.25}
+    without = fast.train(None, out=str(tmp_path / "without"), **{**job, **stride})
+    held = fast.train(None, out=str(tmp_path / "held"), **{**job, **stride}, run__eval_time="2s")
+    assert held["eval_time_s"] == 2.0
+    mid_run = len(held["evaluations"]) - 1  # the last one is the final evaluation, after training
+    assert mid_run >= 1
+    assert held["evaluations"][0]["time_s"] == without["evaluations"][0]["time_s"]  # worker 0's clock: paused
+    assert held["wall_time_s"] - without["wall_time_s"] == pytest.approx(2.0 * mid_run, rel=0.05)
+
+
 def test_a_crashed_worker_is_survived_by_gossip_and_ends_sync_with_a_clear_error(tmp_path):
     crash = {"faults__crash": [{"worker": 2, "step": 6}], "run__deadline_s": 5.0}
     summary = fast.train(None, out=str(tmp_path / "gossip"), **JOB, **crash, strategy__name="gossip")

@@ -50,8 +50,14 @@ class Task:
         self.traceback: str | None = None
         self.kill: BaseException | None = None  # raised at the task's next resumption
         self.waiting_for = "its start"
-        self.host_s = 0.0  # host seconds it has run (held the baton)
+        self.host_s = 0.0  # host seconds it has run (held the baton) before its latest resumption
+        self.resumed_at = 0.0  # perf_counter at its latest resumption
         self.joiners: list[Task] = []
+
+    def host_seconds(self) -> float:
+        """Host seconds it has run so far, the stretch under way included when it is the one running."""
+        running = self.sim.running is self and not self.done
+        return self.host_s + (time.perf_counter() - self.resumed_at if running else 0.0)
 
 
 def _held() -> threading.Lock:
@@ -176,7 +182,7 @@ class Simulation:
             task.token += 1
             task.timed_out = timeout
             self.running = task
-            started = time.perf_counter()
+            started = task.resumed_at = time.perf_counter()
             task.baton.release()
             if not self._back.acquire(timeout=HOST_PATIENCE_S):
                 raise FastError(f"simulated {task.name} ran {HOST_PATIENCE_S:g} host seconds without waiting once")

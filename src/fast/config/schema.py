@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fast.config.deployment import ComputeConfig, FaultsConfig, NetworkConfig
 from fast.errors import ConfigError
@@ -62,6 +62,11 @@ class RunConfig(Section):
         description='simulated engine: one step\'s compute, e.g. "20ms"; "auto" = timed on this host in the first '
         "steps (give a duration for runs that repeat exactly)",
     )
+    eval_time: str | float = Field(
+        "free",
+        description="simulated engine: how long an evaluation holds up the worker that runs it, as in a real run, "
+        'where its peers may wait for it; "free" = no time, "auto" = its time on this host, or a duration',
+    )
 
     @field_validator("max_time")
     @classmethod
@@ -75,16 +80,18 @@ class RunConfig(Section):
                 raise ValueError('must be a positive duration such as "5min"; leave it out for no limit')
         return value
 
-    @field_validator("step_time")
+    @field_validator("step_time", "eval_time")
     @classmethod
-    def _step_time(cls, value: str | float) -> str | float:
-        if value != "auto":
+    def _simulated_time(cls, value: str | float, info: ValidationInfo) -> str | float:
+        words = ("auto",) if info.field_name == "step_time" else ("free", "auto")
+        if value not in words:
+            alternatives = " or ".join(f'"{w}"' for w in words)
             try:
                 seconds = parse_duration(value)
             except ConfigError as e:
-                raise ValueError(f'{e}, or "auto"') from None
+                raise ValueError(f"{e}, or {alternatives}") from None
             if seconds < 0:
-                raise ValueError('must be a duration such as "20ms", or "auto"')
+                raise ValueError(f'must be a duration such as "20ms", or {alternatives}')
         return value
 
     @property
@@ -95,6 +102,12 @@ class RunConfig(Section):
     def step_time_s(self) -> float | None:
         """The simulated compute of one step; None: timed on the host."""
         return None if self.step_time == "auto" else parse_duration(self.step_time)
+
+    @property
+    def eval_time_s(self) -> float | None:
+        """The simulated time of one evaluation; None: timed on the host."""
+        words = {"free": 0.0, "auto": None}
+        return words[self.eval_time] if self.eval_time in words else parse_duration(self.eval_time)
 
     @field_validator("targets")
     @classmethod

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,14 @@ class EmulatedMachine:
             self.slowdown_s += extra
             timing.sleep(extra + pause)
         self._started, self._waited = timing.now(), waited_s()
+
+    def compute(self) -> None:
+        """The step's own compute, once the strategy has posted what it sends early: a real machine does it."""
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """An evaluation on this machine, which takes the time it takes."""
+        yield
 
     def after_step(self) -> None:
         """At the end of a step: time its own work, which is everything but its waits on communication."""

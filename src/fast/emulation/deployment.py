@@ -116,7 +116,7 @@ def machine_for(
         from fast.emulation.simulated_machine import SimulatedMachine
         from fast.emulation.wire import wire
 
-        return SimulatedMachine(plan, wire(), config.run.step_time_s, events_file)
+        return SimulatedMachine(plan, wire(), config.run.step_time_s, config.run.eval_time_s, events_file)
     return EmulatedMachine(plan, events_file)
 
 

@@ -1,12 +1,17 @@
-"""The simulated engine's machine under a worker: each step charged its compute time in virtual time.
+"""The simulated engine's machine under a worker: each step charged its compute in virtual time.
 
 A step costs `run.step_time` (or, when it is "auto", the median of the first steps timed on the host) times the
-worker's slowdown, plus straggler pauses, as emulation has them; a crash ends the worker's tasks, not the process.
+worker's slowdown, plus straggler pauses. As on an emulated machine, the slowdown and pauses come at the top of
+the step; the compute itself comes once the strategy has posted what it sends early (gossip's exchange), so that
+those messages travel while the worker computes, as they do in a real run. An evaluation holds up its worker for
+`run.eval_time`. A crash ends the worker's tasks, not the process.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fast.comm import timeline, timing
@@ -21,13 +26,23 @@ class Crashed(BaseException):
     """A simulated machine failure: ends every task of the worker (BaseException: nothing may catch it)."""
 
 
-class SimulatedMachine(EmulatedMachine):
-    """A worker's machine in virtual time: each step costs `step_time` (measured on the host when None)."""
+def _host_seconds() -> float:
+    task = current_task()
+    return task.host_seconds() if task is not None else 0.0
 
-    def __init__(self, plan: MachinePlan, wire: Wire, step_time_s: float | None, events_file: Any = None) -> None:
+
+class SimulatedMachine(EmulatedMachine):
+    """A worker's machine in virtual time: each step costs `step_time_s` (timed on the host when None), each
+    evaluation `eval_time_s` (timed on the host when None)."""
+
+    def __init__(
+        self, plan: MachinePlan, wire: Wire, step_time_s: float | None, eval_time_s: float | None = 0.0,
+        events_file: Any = None,
+    ) -> None:  # fmt: skip
         super().__init__(plan, events_file)
         self.wire = wire
         self.fixed_s = step_time_s
+        self.eval_time_s = eval_time_s
         self._host_started: float | None = None
 
     def _estimate_s(self) -> float:
@@ -39,29 +54,39 @@ class SimulatedMachine(EmulatedMachine):
         return statistics.median(timed) if timed else 0.0
 
     def before_step(self, step: int) -> None:
+        """Crash, stall, or slow down by (factor - 1) x the step's compute, as an emulated machine does."""
         plan = self.plan
         if plan.crash_step is not None and step >= plan.crash_step:
             self._crash(step)
         compute = self._estimate_s()
+        extra = (plan.factor(step) - 1.0) * compute
         pause = plan.pause_s(step)
         if pause > 0:
             self.paused_s += pause
             self.pauses.append([step, pause])
-        self.slowdown_s += (plan.factor(step) - 1.0) * compute
+        self.slowdown_s += extra
         self._steps_timed += 1
         self._compute_s = compute
+        if extra + pause > 0:
+            timing.sleep(extra + pause)
+
+    def compute(self) -> None:
         with timeline.span("compute (simulated)", "compute"):
-            timing.sleep(plan.factor(step) * compute + pause)
-        task = current_task()
-        self._host_started = task.host_s if task is not None else None
+            timing.sleep(self._compute_s)
+        self._host_started = _host_seconds()
 
     def after_step(self) -> None:
-        task = current_task()
-        if self.fixed_s is None and task is not None and self._host_started is not None:
+        if self.fixed_s is None and self._host_started is not None:
             timed = self.wire.host_step_s
             if len(timed) < MEASURED_STEPS:
-                timed.append(task.host_s - self._host_started)
+                timed.append(_host_seconds() - self._host_started)
         self._host_started = None
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        started = _host_seconds()
+        yield
+        timing.sleep(_host_seconds() - started if self.eval_time_s is None else self.eval_time_s)
 
     def _crash(self, step: int | None = None) -> None:
         """The worker's tasks end (its machine failed); the other simulated processes go on."""

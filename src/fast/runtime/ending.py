@@ -294,7 +294,7 @@ class Ending:
         if self._eval_fn is None:
             return
         with self.clock.pause(), self.driver.evaluation():
-            metrics = metrics_of(self._eval_fn, model)
+            metrics = self._metrics_of(self._eval_fn, model)
         self._check_targets(metrics)
         divergence = None
         if self.strategy.replicas_differ:
@@ -376,6 +376,7 @@ class Ending:
             "config": config.to_dict(),
             "env": environment(),
             "step_compute_s": compute_s,
+            "eval_time_s": sum(self.eval_seconds) / len(self.eval_seconds) if self.eval_seconds else None,
             "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }

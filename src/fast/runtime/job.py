@@ -249,6 +249,7 @@ class Job(Evaluating, Checkpointing, Ending):
         self._recorded_at = -1
         self._eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
         self._checked_targets = False
+        self.eval_seconds: list[float] = []  # worker 0's evaluations, each the time its eval function took
 
     # -- who -------------------------------------------------------------------------------------------------------
     @property

@@ -1,6 +1,7 @@
 """The strategy's hooks around each of the user's steps, run from hooks on the user's own model and optimizer.
 
-    forward (the first of a step)     machine.before_step, strategy.before_step   (e.g. gossip posts its exchange)
+    forward (the first of a step)     machine.before_step, strategy.before_step   (e.g. gossip posts its exchange),
+                                      machine.compute (the simulated engine's compute)
     end of loss.backward()            gradients checked, strategy.after_backward  (e.g. sync waits for its buckets)
     optimizer.step() begins           a step whose gradients were not finite is skipped; gradients clipped
     optimizer.step() ends             strategy.after_optimizer_step, then the job's bookkeeping
@@ -112,12 +113,14 @@ class StepDriver:
             self._casting = self.autocast()
             self._casting.__enter__()
 
-    def begin(self) -> None:
+    def begin(self, computes: bool = True) -> None:
         if self.on_begin is not None:
             self.on_begin()
         self.machine.before_step(self.step)  # emulated crash, straggler pause, slowdown
         with timeline.span("strategy.before_step", "communicate"):
             self.strategy.before_step(self.step)
+        if computes:  # a simulated machine's compute, while what the strategy posted travels
+            self.machine.compute()
         self.began = True
         timeline.open_span("forward+backward", "compute")
         self.computing = True
@@ -183,7 +186,7 @@ class StepDriver:
         nothing of this worker's in them, so that the others' collectives complete."""
         self.strategy.contributing = False
         try:
-            self.begin()
+            self.begin(computes=False)
             for p in self.params:
                 p.grad = None
             self.gradients_done()
