@@ -224,16 +224,17 @@ def train_worker(config: Config, run_dir: Path, user: UserCode, resume: bool = F
     """One process of `fast train`: the whole training loop on the job API (servers serve inside init)."""
     job = init(config, out=run_dir, resume=run_dir if resume else None)
     train, test = datasets(config)
-    model = model_for(config, train, user)
-    model, optimizer = job.prepare(model, build_optimizer(config.optimizer, model.parameters()))
-    # Dropout and other training randomness: seeded apart from how the model was built (source or package).
-    torch.manual_seed(config.run.seed * 7919 + 1 + job.rank)
+    # everything but the model first: training time counts from job.prepare's common start
     loader = job.loader(train, config.run.batch_size)
     step = step_for(config, user)
     evaluate = eval_for(config, test, job.device)
     score = validation_score(config, train, job.device)
+    model = model_for(config, train, user)
+    model, optimizer = job.prepare(model, build_optimizer(config.optimizer, model.parameters()))
     if score is not None:
         job.validate_with(score)
+    # Dropout and other training randomness: seeded apart from how the model was built (source or package).
+    torch.manual_seed(config.run.seed * 7919 + 1 + job.rank)
     accumulate = config.run.accumulate
     every = round(config.run.eval_every * job.steps_per_epoch) if job.steps_per_epoch else 0
     for _ in job.epochs(config.run.epochs):
