@@ -9,6 +9,12 @@ Fashion-MNIST, LeNet-5, 4 local workers, batch 64 each, SGD (lr 0.05, momentum 0
 initial weights and data partition within a seed). Targets: `ssp` over all-reduce sends `sync`'s bytes with a
 shorter step; with `momentum_compensation`, `ssp` (s = 2) and `async-ps` end within 1 point of `sync`'s final
 test accuracy, on the mean over the seeds.
+
+`--sweep` adds `ssp` over all-reduce, uncompensated, at other (momentum, lr) pairs, and `sync` without momentum:
+whether any momentum reaches `sync`'s accuracy at this staleness. `--engine simulated` runs the job in virtual
+time (a step charged 10 ms, links as above), about 15 host seconds a run: `sync` and `ssp` over all-reduce do
+the very same arithmetic on both engines (their updates do not depend on timing), the asynchronous variants do
+not (their staleness comes from the timing).
 """
 
 from __future__ import annotations
@@ -41,6 +47,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "async-ps-comp": {"name": "async-ps", "momentum_compensation": True},
 }
 CHECKED = ("ssp-comp", "ssp-allreduce-comp", "async-ps-comp")
+SWEEP = [(0.8, 0.05), (0.7, 0.05), (0.5, 0.1), (0.0, 0.2), (0.0, 0.5)]  # (momentum, lr) of ssp over all-reduce
+
+
+def sweep_variants() -> list[dict[str, Any]]:
+    """`ssp` over all-reduce, uncompensated, at the SWEEP's (momentum, lr), and `sync` without momentum."""
+    variants = [{"name": f"ssp-allreduce-m{m:g}-lr{lr:g}", "strategy": VARIANTS["ssp-allreduce"],
+                 "optimizer": {**BASE["optimizer"], "momentum": m, "lr": lr}} for m, lr in SWEEP]  # fmt: skip
+    variants.append({"name": "sync-m0-lr0.2", "strategy": VARIANTS["sync"],
+                     "optimizer": {**BASE["optimizer"], "momentum": 0.0, "lr": 0.2}})  # fmt: skip
+    return variants
+
+
+def explicit_momentum(summary: dict[str, Any]) -> float:
+    """The momentum the run's updates were applied with: compensated, the servers' (async-ps), or the optimizer's."""
+    if "explicit_momentum" in summary:
+        return summary["explicit_momentum"]
+    config = summary["config"]
+    if summary["strategy"] == "async-ps":
+        return config["strategy"].get("server_momentum", 0.0)
+    return config["optimizer"]["momentum"]
 
 
 def main() -> None:
@@ -50,30 +76,36 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                         default=["sync", "ssp-allreduce-comp", "ssp-comp", "async-ps", "async-ps-comp"])  # fmt: skip
+    parser.add_argument("--sweep", action="store_true", help="add ssp over all-reduce at other (momentum, lr)")
+    parser.add_argument("--engine", choices=["processes", "simulated"], default="processes")
     args = parser.parse_args()
     if "sync" not in args.variants:
         parser.error("--variants must include sync")
     out = args.out or Path(tempfile.mkdtemp(prefix="fast-bench-momentum-"))
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    variants = [{"name": name, "strategy": VARIANTS[name]} for name in args.variants]
+    variants += sweep_variants() if args.sweep else []
+    results: dict[str, list[dict[str, Any]]] = {variant["name"]: [] for variant in variants}
+    run = {**BASE["run"], "epochs": args.epochs}
+    if args.engine == "simulated":
+        run.update(engine="simulated", step_time="10ms")
     for seed in args.seeds:
-        variants = [{"name": name, "strategy": VARIANTS[name]} for name in args.variants]
-        job = {**BASE, "run": {**BASE["run"], "seed": seed, "epochs": args.epochs}, "variant": variants}
+        job = {**BASE, "run": {**run, "seed": seed}, "variant": variants}
         comparison = fast.compare(job, out / f"seed{seed}")
         for outcome in comparison.outcomes:
             results[outcome.name].append(json.loads((outcome.run_dir / "summary.json").read_text()))
 
     sync = results["sync"]
     sync_mean = statistics.mean(s["final_test_accuracy"] for s in sync)
-    print(f"\n4 workers, 20 Mbit/s, 20 ms; {args.epochs:g} epoch(s); seeds {args.seeds}")
-    print(f"{'variant':<20} {'final acc (each seed)':<24} {'mean':>7} {'vs sync':>8} {'MB sent':>8} {'step ms':>8} "
+    print(f"\n4 workers, 20 Mbit/s, 20 ms; {args.epochs:g} epoch(s); seeds {args.seeds}; {args.engine} engine")
+    print(f"{'variant':<26} {'final acc (each seed)':<24} {'mean':>7} {'vs sync':>8} {'MB sent':>8} {'step ms':>8} "
           f"{'explicit μ':>10}")  # fmt: skip
     verdicts = []
     for name, runs in results.items():
         accuracies = [s["final_test_accuracy"] for s in runs]
         mean = statistics.mean(accuracies)
-        momentum = statistics.mean(s.get("explicit_momentum", 0.9) for s in runs)
+        momentum = statistics.mean(explicit_momentum(s) for s in runs)
         print(
-            f"{name:<20} {' '.join(f'{a:.4f}' for a in accuracies):<24} {mean:>7.4f} {mean - sync_mean:>+8.4f} "
+            f"{name:<26} {' '.join(f'{a:.4f}' for a in accuracies):<24} {mean:>7.4f} {mean - sync_mean:>+8.4f} "
             f"{statistics.mean(s['bytes_sent'] for s in runs) / 1e6:>8.1f} "
             f"{1e3 * statistics.mean(s['step_time_s'] for s in runs):>8.0f} {momentum:>10.3f}"
         )

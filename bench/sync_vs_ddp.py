@@ -15,7 +15,8 @@ For each model and worker count, three sides train the same model (fast.jobs.mod
 Each side's samples/s is steps x batch x workers over the slowest worker's time from the common start
 barrier to its last step (FAST's summary leaves evaluation out of the clock; DDP times only the steps).
 The sides alternate within a round, and the order rotates from round to round, so a load change on the
-machine hits every side alike; the table reports medians over rounds and the ratios of those medians.
+machine hits every side alike; the table reports medians over rounds and the ratios of those medians, and the
+range of sync/ddp within single rounds (how much one round can say on this machine).
 Targets: sync/ddp >= 1.0 (on CPU and GPU) and, on a GPU, sync/none >= 0.9.
 """
 
@@ -162,13 +163,16 @@ def bench(models: list[str], workers_list: list[int], rounds: int, steps: int, o
 def print_table(rows: list[dict]) -> bool:
     """The table of medians; True when sync/ddp >= 1.0 everywhere (the target on CPU; sync/none >= 0.9 is the
     issue's target on a GPU, where an idle device can hide communication, and is reported beside it)."""
-    print(f"\n{'model':6} {'workers':>7} {'sync/s':>9} {'ddp/s':>9} {'none/s':>9} {'sync/ddp':>9} {'sync/none':>10}")
+    print(f"\n{'model':6} {'workers':>7} {'sync/s':>9} {'ddp/s':>9} {'none/s':>9} {'sync/ddp':>9} {'sync/none':>10} "
+          f"{'sync/ddp by round (min-max)':>28}")  # fmt: skip
     for row in rows:
         m = row["median"]
+        paired = [s / d for s, d in zip(row["samples_per_s"]["sync"], row["samples_per_s"]["ddp"], strict=True)]
+        spread = f"{min(paired):.3f}-{max(paired):.3f}"
         mark = "" if row["sync_vs_ddp"] >= TARGET_VS_DDP else "  below DDP"
         print(
             f"{row['model']:6} {row['workers']:>7} {m['sync']:>9.0f} {m['ddp']:>9.0f} {m['none']:>9.0f} "
-            f"{row['sync_vs_ddp']:>9.3f} {row['sync_vs_none']:>10.3f}{mark}"
+            f"{row['sync_vs_ddp']:>9.3f} {row['sync_vs_none']:>10.3f} {spread:>28}{mark}"
         )
     vs_ddp = sum(1 for r in rows if r["sync_vs_ddp"] >= TARGET_VS_DDP)
     vs_none = sum(1 for r in rows if r["sync_vs_none"] >= TARGET_VS_NONE)

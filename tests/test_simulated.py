@@ -50,6 +50,7 @@ def test_sync_simulated_reaches_the_weights_of_sync_real(tmp_path, no_orphans):
     real_run = fast.train(None, out=str(tmp_path / "real"), **{**job, "run__engine": "processes"})
     assert simulated_run["bytes_sent"] == real_run["bytes_sent"]  # the same messages, counted alike
     assert simulated_run["steps_per_worker"] == real_run["steps_per_worker"] == 12
+    assert real_run["eval_time_s"] > 0 and simulated_run["eval_time_s"] == 0.0  # run.eval_time = "free"
     sim_weights = torch.load(tmp_path / "sim" / "model.pt", weights_only=True)
     real_weights = torch.load(tmp_path / "real" / "model.pt", weights_only=True)
     for key, value in real_weights.items():
@@ -171,6 +172,7 @@ def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_
     [
         ({"run__engine": "virtual"}, r"run\.engine"),
         ({"run__step_time": "soon"}, r"run\.step_time"),
+        ({"run__eval_time": "-1s"}, r"run\.eval_time.*\"free\" or \"auto\""),
         ({"run__max_restarts": 1}, r"run\.max_restarts"),
     ],
 )
