@@ -55,20 +55,9 @@ class SimulatedMachine(EmulatedMachine):
 
     def before_step(self, step: int) -> None:
         """Crash, stall, or slow down by (factor - 1) x the step's compute, as an emulated machine does."""
-        plan = self.plan
-        if plan.crash_step is not None and step >= plan.crash_step:
-            self._crash(step)
-        compute = self._estimate_s()
-        extra = (plan.factor(step) - 1.0) * compute
-        pause = plan.pause_s(step)
-        if pause > 0:
-            self.paused_s += pause
-            self.pauses.append([step, pause])
-        self.slowdown_s += extra
+        self._compute_s = self._estimate_s()
         self._steps_timed += 1
-        self._compute_s = compute
-        if extra + pause > 0:
-            timing.sleep(extra + pause)
+        super().before_step(step)
 
     def compute(self) -> None:
         with timeline.span("compute (simulated)", "compute"):

@@ -97,7 +97,8 @@ def init(
     dotted overrides (`strategy__name="gossip"`). `out` is the run folder; `resume` (a run folder, or True for
     `out`) continues it from its last checkpoint. A server process (async-ps, async easgd, ea-wild) serves here
     until the workers are done, then exits: it never returns."""
-    if _current.get() is not None and not _current.get().finished:
+    existing = _current.get()
+    if existing is not None and not existing.finished:
         raise UsageError("fast.init() was already called in this process: use the job it returned")
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:  # restarted by the agent
         resume = True
