@@ -1,29 +1,35 @@
 """The simulated engine against real processes on the same emulated deployment: step time, time to target, accuracy.
 
     .venv/bin/python bench/sim_vs_real.py [--workers 4 8] [--strategies sync local-sgd gossip async-ps ad-psgd]
-                                          [--epochs 1] [--target 0.7] [--out results.json]
+                                          [--epochs 1] [--target 0.7] [--repeats 1] [--out results.json]
 
 Fashion-MNIST, LeNet-5, batch 64 per worker, SGD (lr 0.05, momentum 0.9), on
 emulated links of 100 Mbit/s and 5 ms each way; gossip on a torus (2x2, 2x4). Each configuration runs twice, as
 real processes (`run.engine = "processes"`, gloo under link emulation) and simulated (`run.engine = "simulated"`),
 and once more per strategy at 4 workers with worker 3 three times slower (`[compute] slowdown`).
 
-The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its
-step time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records),
-and per evaluation what the real run's evaluations took (`eval_time_s`; worker 0's peers may wait for it), so
-that the comparison isolates what the simulation models, the links and the waiting, from the contention of N
-processes for this machine's cores. With a straggler the others compute faster (one process fewer contends for
-the cores), so the simulation is charged that run's own compute (`step_compute_s`, plus the unslowed run's
-per-step work outside it); a slowdown f makes emulation sleep (f − 1) x the measured compute, and the simulated
-straggler is given the slowdown that adds the same time, 1 + (f − 1) x compute / charged.
+The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its step
+time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records), spread
+from step to step as the real run's was (`step_compute_spread`: processes sharing the cores compute unevenly, and
+whoever waits for its peers waits for the slowest), and per evaluation what the real run's evaluations took
+(`eval_time_s`; worker 0's peers may wait for it), so that the comparison isolates what the simulation models, the
+links and the waiting, from the contention of N processes for this machine's cores. With a straggler the others
+compute faster (one process fewer contends for the cores), so the simulation is charged that run's own compute
+(`step_compute_s`, plus the unslowed run's per-step work outside it); a slowdown f makes emulation sleep (f − 1) x
+the measured compute, and the simulated straggler is given the slowdown that adds the same time, 1 + (f − 1) x
+compute / charged.
 Targets of the issue: simulated step time and time to target within 15% of the real run's; final accuracy within
-1.5 points.
+1.5 points. An asynchronous run's accuracy wobbles from one evaluation to the next, and two real runs of the same
+job can cross the target an evaluation apart; `--repeats R` runs each configuration with seeds 0 .. R-1 on both
+sides and compares the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -59,6 +65,7 @@ def figures(summary: dict[str, Any], target: float) -> dict[str, Any]:
         "accuracy": summary["final_test_accuracy"],
         "busy_s": summary["step_time_s"] * (1 - (summary.get("time_shares") or {}).get("wait", 0.0)),
         "compute_s": summary.get("step_compute_s"),
+        "compute_spread": summary.get("step_compute_spread"),
         "eval_time_s": summary["eval_time_s"],
         "bytes_sent": summary["bytes_sent"],
         "host_s": (summary.get("simulation") or {}).get("host_s"),
@@ -69,12 +76,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def compare(strategy: str, workers: int, epochs: float, target: float, unslowed: dict[str, Any] | None,
-            out: Path) -> dict[str, Any]:  # fmt: skip
-    """Real, then simulated; `unslowed`: the real figures of the same run without a straggler, for one with."""
+def pair(strategy: str, workers: int, epochs: float, target: float, unslowed: dict[str, Any] | None, out: Path,
+         seed: int) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The real run's figures, then those of the simulated run charged what the real one spent."""
     straggler = unslowed is not None
     config = job(strategy, workers, epochs, target, straggler)
-    name = f"{strategy}-{workers}{'-straggler' if straggler else ''}"
+    config["run"]["seed"] = seed
+    name = f"{strategy}-{workers}{'-straggler' if straggler else ''}-{seed}"
     real = figures(fast.train(config, out=str(out / f"{name}-real")), target)
     busy = real["busy_s"]
     if unslowed is not None:  # this run's own compute, and the same extra time as emulation's (f - 1) x compute
@@ -82,11 +90,41 @@ def compare(strategy: str, workers: int, epochs: float, target: float, unslowed:
         factor = config["compute"]["slowdown"][-1]
         config["compute"]["slowdown"] = [1.0] * (workers - 1) + [1 + (factor - 1) * real["compute_s"] / busy]
     simulated = figures(fast.train(config, out=str(out / f"{name}-sim"), run__engine="simulated",
-                                   run__step_time=busy, run__eval_time=real["eval_time_s"]), target)  # fmt: skip
+                                   run__step_time=busy, run__step_time_spread=real["compute_spread"] or 0.0,
+                                   run__eval_time=real["eval_time_s"]), target)  # fmt: skip
+    return real, simulated
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the runs (a target not reached counts as never: None when most runs miss it)."""
+    middle = {}
+    for key in runs[0]:
+        values = [math.inf if run[key] is None else run[key] for run in runs]
+        value = statistics.median(values)
+        middle[key] = None if math.isinf(value) else value
+    return middle
+
+
+def spread_of(values: list[float | None]) -> list[float] | None:
+    """The lowest and highest of the values reached, when several runs reached them."""
+    reached = [v for v in values if v is not None]
+    return [min(reached), max(reached)] if len(reached) > 1 else None
+
+
+def compare(strategy: str, workers: int, epochs: float, target: float, unslowed: dict[str, Any] | None,
+            out: Path, repeats: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Real, then simulated, for seeds 0 .. repeats - 1; `unslowed`: the real figures of the same run without a
+    straggler, for one with."""
+    pairs = [pair(strategy, workers, epochs, target, unslowed, out, seed) for seed in range(repeats)]
+    straggler = unslowed is not None
+    name = f"{strategy}-{workers}{'-straggler' if straggler else ''}"
+    real, simulated = medians([r for r, _ in pairs]), medians([s for _, s in pairs])
     row = {"name": name, "real": real, "simulated": simulated,
            "step_ratio": ratio(simulated["step_time_s"], real["step_time_s"]),
            "target_ratio": ratio(simulated["time_to_target_s"], real["time_to_target_s"]),
-           "accuracy_points": 100 * (simulated["accuracy"] - real["accuracy"])}  # fmt: skip
+           "accuracy_points": 100 * (simulated["accuracy"] - real["accuracy"]),
+           "real_target_range": spread_of([r["time_to_target_s"] for r, _ in pairs]),
+           "sim_target_range": spread_of([s["time_to_target_s"] for _, s in pairs])}  # fmt: skip
     row["met"] = (
         row["step_ratio"] is not None
         and abs(row["step_ratio"] - 1) <= TIME_TOLERANCE
@@ -100,6 +138,12 @@ def number(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return f"{value * scale:.{digits}f}" if value is not None else "-"
 
 
+def between(row: dict[str, Any], side: str) -> str:
+    """ " (low-high)" over the seeds of a row run several times, else nothing."""
+    span = row.get(f"{side}_target_range")
+    return f" ({span[0]:.1f}-{span[1]:.1f})" if span else ""
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| run | step ms real | sim | ratio | to target s real | sim | ratio | accuracy real | sim | points | "
@@ -110,8 +154,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         real, sim = row["real"], row["simulated"]
         lines.append(
             f"| {row['name']} | {number(real['step_time_s'], 1000)} | {number(sim['step_time_s'], 1000)} | "
-            f"{number(row['step_ratio'], digits=3)} | {number(real['time_to_target_s'])} | "
-            f"{number(sim['time_to_target_s'])} | {number(row['target_ratio'], digits=3)} | "
+            f"{number(row['step_ratio'], digits=3)} | {number(real['time_to_target_s'])}{between(row, 'real')} | "
+            f"{number(sim['time_to_target_s'])}{between(row, 'sim')} | {number(row['target_ratio'], digits=3)} | "
             f"{number(real['accuracy'], digits=4)} | {number(sim['accuracy'], digits=4)} | "
             f"{row['accuracy_points']:+.2f} | {number(sim['host_s'])} | {'yes' if row['met'] else 'NO'} |"
         )
@@ -124,6 +168,7 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["sync", "local-sgd", "gossip", "async-ps", "ad-psgd"])
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--target", type=float, default=0.7)
+    parser.add_argument("--repeats", type=int, default=1, help="seeds per configuration (medians compared)")
     parser.add_argument("--no-straggler", action="store_true", help="leave out the straggler runs")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
@@ -136,8 +181,9 @@ def main() -> None:
             if straggler:
                 unslowed = next((r["real"] for r in rows if r["name"] == f"{strategy}-{workers}"), None)
                 if unslowed is None:  # not in this run's plan: measure it first
-                    unslowed = compare(strategy, workers, args.epochs, args.target, None, Path(folder))["real"]
-            rows.append(compare(strategy, workers, args.epochs, args.target, unslowed, Path(folder)))
+                    unslowed = compare(strategy, workers, args.epochs, args.target, None, Path(folder),
+                                       args.repeats)["real"]  # fmt: skip
+            rows.append(compare(strategy, workers, args.epochs, args.target, unslowed, Path(folder), args.repeats))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(table(rows))

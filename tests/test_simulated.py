@@ -1,5 +1,6 @@
 """`run.engine = "simulated"`: every worker in this process, in virtual time, under the very same strategies."""
 
+import statistics
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ from fast.comm import timing
 from fast.comm.scheduler import Deadlock, Simulation
 from fast.emulation.links import EmulatedLink, LinkTable
 from fast.emulation.simulated_comm import world
+from fast.emulation.simulated_machine import spread_factor
 from fast.emulation.wire import start
 from fast.errors import ConfigError
 from fast.runtime.launch import WorkerFailed
@@ -51,6 +53,7 @@ def test_sync_simulated_reaches_the_weights_of_sync_real(tmp_path, no_orphans):
     assert simulated_run["bytes_sent"] == real_run["bytes_sent"]  # the same messages, counted alike
     assert simulated_run["steps_per_worker"] == real_run["steps_per_worker"] == 12
     assert real_run["eval_time_s"] > 0 and simulated_run["eval_time_s"] == 0.0  # run.eval_time = "free"
+    assert real_run["step_compute_spread"] > 0 and simulated_run["step_compute_spread"] == 0.0
     sim_weights = torch.load(tmp_path / "sim" / "model.pt", weights_only=True)
     real_weights = torch.load(tmp_path / "real" / "model.pt", weights_only=True)
     for key, value in real_weights.items():
@@ -69,6 +72,28 @@ def test_virtual_time_is_compute_plus_what_the_links_charge(tmp_path):
     # the buckets' messages queue on each NIC one after another; the latency is paid once per round
     expected_step = 0.010 + rounds * (0.020 + chunk_s)
     assert summary["step_time_s"] == pytest.approx(expected_step, rel=0.02)
+
+
+def test_step_time_spread_draws_a_mean_one_factor_of_that_spread_that_repeats():
+    factors = [spread_factor(0.4, 0, rank, step) for rank in range(4) for step in range(5000)]
+    mean = statistics.fmean(factors)
+    assert mean == pytest.approx(1.0, abs=0.01)
+    assert statistics.pstdev(factors) / mean == pytest.approx(0.4, rel=0.05)
+    assert spread_factor(0.4, 0, 1, 7) == spread_factor(0.4, 0, 1, 7) != spread_factor(0.4, 1, 1, 7)
+    assert spread_factor(0.0, 0, 1, 7) == 1.0
+
+
+def test_with_a_step_time_spread_sync_waits_each_step_for_the_slowest_draw(tmp_path):
+    """Links that cost nothing: a sync step ends when the last of its workers has computed, so the run takes
+    the sum over steps of the largest of the workers' draws."""
+    job = {**JOB, "strategy__name": "sync", "run__max_steps": 20, "run__eval_every": 0,
+           "run__step_time": "10ms", "run__step_time_spread": 0.5}  # fmt: skip
+    summary = fast.train(None, out=str(tmp_path), **job)
+    assert summary["steps_per_worker"] == 20
+    slowest = [max(spread_factor(0.5, 0, rank, step) for rank in range(4)) for step in range(20)]
+    assert summary["wall_time_s"] == pytest.approx(0.010 * sum(slowest), rel=1e-6)
+    assert sum(slowest) / 20 > 1.3  # well above the mean draw of 1
+    assert summary["step_compute_s"] == 0.010 and summary["step_compute_spread"] == 0.5
 
 
 def test_gossip_exchange_travels_during_the_compute_and_an_evaluation_holds_up_the_peers(tmp_path):
@@ -173,6 +198,7 @@ def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_
         ({"run__engine": "virtual"}, r"run\.engine"),
         ({"run__step_time": "soon"}, r"run\.step_time"),
         ({"run__eval_time": "-1s"}, r"run\.eval_time.*\"free\" or \"auto\""),
+        ({"run__step_time_spread": -0.1}, r"run\.step_time_spread"),
         ({"run__max_restarts": 1}, r"run\.max_restarts"),
     ],
 )

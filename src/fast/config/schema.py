@@ -62,6 +62,13 @@ class RunConfig(Section):
         description='simulated engine: one step\'s compute, e.g. "20ms"; "auto" = timed on this host in the first '
         "steps (give a duration for runs that repeat exactly)",
     )
+    step_time_spread: float = Field(
+        0.0,
+        ge=0,
+        description="simulated engine: the coefficient of variation of a step's compute, each worker's steps drawn "
+        "independently around step_time (log-normal, same mean); a real run's summary gives its own as "
+        "step_compute_spread",
+    )
     eval_time: str | float = Field(
         "free",
         description="simulated engine: how long an evaluation holds up the worker that runs it, as in a real run, "

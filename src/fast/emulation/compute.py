@@ -6,12 +6,14 @@ a Pareto-distributed draw when `heavy_tail` is set (capped at `heavy_tail_max`).
 `straggler_pause_s` with probability `straggler_probability` per step. Each draw is keyed by (seed, rank,
 step), so it repeats exactly. A crash ends the process abruptly (`os._exit`, no clean-up, as a machine
 failure would) before a given step or at a given time from the start of training, after writing one line
-to the worker's metrics file.
+to the worker's metrics file. The machine also times each step's own work, for the summary's mean compute of a step
+and its spread from step to step.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from fast.comm.waiting import waited_s
 
 CRASH_EXIT_CODE = 1
 MAX_RECORDED_PAUSES = 1000
+SPREAD_WARMUP_STEPS = 5  # a worker's first steps carry one-off costs (allocation, lazy set-up): not in its spread
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class EmulatedMachine:
         self._steps_timed = 0
         self._started: float | None = None
         self._waited = 0.0
+        self._spread_steps, self._spread_mean, self._spread_m2 = 0, 0.0, 0.0
         self.slowdown_s = 0.0
         self.pauses: list[list[float]] = []
         self.paused_s = 0.0
@@ -113,12 +117,25 @@ class EmulatedMachine:
         self._started = None
         self._steps_timed += 1
         self._compute_s += (work - self._compute_s) / self._steps_timed
+        if self._steps_timed > SPREAD_WARMUP_STEPS:  # Welford's running variance
+            self._spread_steps += 1
+            delta = work - self._spread_mean
+            self._spread_mean += delta / self._spread_steps
+            self._spread_m2 += delta * (work - self._spread_mean)
 
     @property
     def compute_s(self) -> float | None:
         """Mean measured work of a step (all but its communication waits, before any slowdown); None before
         any step."""
         return self._compute_s if self._steps_timed else None
+
+    @property
+    def compute_spread(self) -> float | None:
+        """The coefficient of variation of a step's work from step to step, after the first steps; None before
+        two such steps."""
+        if self._spread_steps < 2 or self._spread_mean <= 0:
+            return None
+        return math.sqrt(self._spread_m2 / (self._spread_steps - 1)) / self._spread_mean
 
     def _crash(self, step: int | None = None) -> None:
         self._report_crash(step)

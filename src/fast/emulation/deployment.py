@@ -116,7 +116,8 @@ def machine_for(
         from fast.emulation.simulated_machine import SimulatedMachine
         from fast.emulation.wire import wire
 
-        return SimulatedMachine(plan, wire(), config.run.step_time_s, config.run.eval_time_s, events_file)
+        run = config.run
+        return SimulatedMachine(plan, wire(), run.step_time_s, run.eval_time_s, events_file, run.step_time_spread)
     return EmulatedMachine(plan, events_file)
 
 

@@ -1,14 +1,16 @@
 """The simulated engine's machine under a worker: each step charged its compute in virtual time.
 
-A step costs `run.step_time` (or, when it is "auto", the median of the first steps timed on the host) times the
-worker's slowdown, plus straggler pauses. As on an emulated machine, the slowdown and pauses come at the top of
-the step; the compute itself comes once the strategy has posted what it sends early (gossip's exchange), so that
-those messages travel while the worker computes, as they do in a real run. An evaluation holds up its worker for
-`run.eval_time`. A crash ends the worker's tasks, not the process.
+A step costs `run.step_time` (or, when it is "auto", the median of the first steps timed on the host), times a
+log-normal draw of mean 1 when `run.step_time_spread` is set (a real host's steps vary, and a worker that waits for
+its peers waits for the slowest draw), plus the worker's slowdown and straggler pauses. As on an emulated machine,
+the slowdown and pauses come at the top of the step; the compute itself comes once the strategy has posted what it
+sends early (gossip's exchange), so that those messages travel while the worker computes, as they do in a real run.
+An evaluation holds up its worker for `run.eval_time`. A crash ends the worker's tasks, not the process.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +18,7 @@ from typing import Any
 
 from fast.comm import timeline, timing
 from fast.comm.scheduler import current_task
+from fast.comm.seeded import uniform
 from fast.emulation.compute import EmulatedMachine, MachinePlan
 from fast.emulation.wire import Wire
 
@@ -26,23 +29,35 @@ class Crashed(BaseException):
     """A simulated machine failure: ends every task of the worker (BaseException: nothing may catch it)."""
 
 
+def spread_factor(spread: float, seed: int, rank: int, step: int) -> float:
+    """A step's compute factor: log-normal with mean 1 and coefficient of variation `spread`, keyed by
+    (seed, rank, step) so that it repeats exactly; 1 when `spread` is 0."""
+    if spread <= 0:
+        return 1.0
+    sigma = math.sqrt(math.log1p(spread * spread))
+    u = min(max(uniform(seed, rank, step, "step-time"), 1e-12), 1 - 1e-12)
+    return math.exp(sigma * statistics.NormalDist().inv_cdf(u) - sigma * sigma / 2)
+
+
 def _host_seconds() -> float:
     task = current_task()
     return task.host_seconds() if task is not None else 0.0
 
 
 class SimulatedMachine(EmulatedMachine):
-    """A worker's machine in virtual time: each step costs `step_time_s` (timed on the host when None), each
-    evaluation `eval_time_s` (timed on the host when None)."""
+    """A worker's machine in virtual time: each step costs `step_time_s` (timed on the host when None) times a
+    draw of spread `step_time_spread`, each evaluation `eval_time_s` (timed on the host when None)."""
 
     def __init__(
         self, plan: MachinePlan, wire: Wire, step_time_s: float | None, eval_time_s: float | None = 0.0,
-        events_file: Any = None,
+        events_file: Any = None, step_time_spread: float = 0.0,
     ) -> None:  # fmt: skip
         super().__init__(plan, events_file)
         self.wire = wire
         self.fixed_s = step_time_s
         self.eval_time_s = eval_time_s
+        self.spread = step_time_spread
+        self._factor = 1.0
         self._host_started: float | None = None
 
     def _estimate_s(self) -> float:
@@ -54,14 +69,21 @@ class SimulatedMachine(EmulatedMachine):
         return statistics.median(timed) if timed else 0.0
 
     def before_step(self, step: int) -> None:
-        """Crash, stall, or slow down by (factor - 1) x the step's compute, as an emulated machine does."""
+        """Crash, stall, or slow down by (factor - 1) x the mean compute of a step, as an emulated machine does;
+        draw this step's own compute."""
         self._compute_s = self._estimate_s()
         self._steps_timed += 1
+        self._factor = spread_factor(self.spread, self.plan.seed, self.plan.rank, step)
         super().before_step(step)
+
+    @property
+    def compute_spread(self) -> float | None:
+        """The configured spread of a step's compute (the simulation charges it; it measures nothing)."""
+        return self.spread if self._steps_timed else None
 
     def compute(self) -> None:
         with timeline.span("compute (simulated)", "compute"):
-            timing.sleep(self._compute_s)
+            timing.sleep(self._compute_s * self._factor)
         self._host_started = _host_seconds()
 
     def after_step(self) -> None:
