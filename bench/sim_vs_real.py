@@ -11,13 +11,13 @@ and once more per strategy at 4 workers with worker 3 three times slower (`[comp
 The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its step
 time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records), spread
 from step to step as the real run's was (`step_compute_spread`: processes sharing the cores compute unevenly, and
-whoever waits for its peers waits for the slowest), and per evaluation what the real run's evaluations took
-(`eval_time_s`; worker 0's peers may wait for it), so that the comparison isolates what the simulation models, the
-links and the waiting, from the contention of N processes for this machine's cores. With a straggler the others
-compute faster (one process fewer contends for the cores), so the simulation is charged that run's own compute
-(`step_compute_s`, plus the unslowed run's per-step work outside it); a slowdown f makes emulation sleep (f − 1) x
-the measured compute, and the simulated straggler is given the slowdown that adds the same time, 1 + (f − 1) x
-compute / charged.
+whoever waits for its peers waits for the slowest), per evaluation what the real run's evaluations took
+(`eval_time_s`; worker 0's peers may wait for it), and per server request what the real servers worked on one
+(`server_request_s`), so that the comparison isolates what the simulation models, the links and the waiting, from
+the contention of N processes for this machine's cores. With a straggler the others compute faster (one process
+fewer contends for the cores), so the simulation is charged that run's own compute (`step_compute_s`, plus the
+unslowed run's per-step work outside it); a slowdown f makes emulation sleep (f − 1) x the measured compute, and the
+simulated straggler is given the slowdown that adds the same time, 1 + (f − 1) x compute / charged.
 Targets of the issue: simulated step time and time to target within 15% of the real run's; final accuracy within
 1.5 points. An asynchronous run's accuracy wobbles from one evaluation to the next, and two real runs of the same
 job can cross the target an evaluation apart; `--repeats R` runs each configuration with seeds 0 .. R-1 on both
@@ -66,6 +66,7 @@ def figures(summary: dict[str, Any], target: float) -> dict[str, Any]:
         "busy_s": summary["step_time_s"] * (1 - (summary.get("time_shares") or {}).get("wait", 0.0)),
         "compute_s": summary.get("step_compute_s"),
         "compute_spread": summary.get("step_compute_spread"),
+        "request_s": summary.get("server_request_s"),
         "eval_time_s": summary["eval_time_s"],
         "bytes_sent": summary["bytes_sent"],
         "host_s": (summary.get("simulation") or {}).get("host_s"),
@@ -91,7 +92,8 @@ def pair(strategy: str, workers: int, epochs: float, target: float, unslowed: di
         config["compute"]["slowdown"] = [1.0] * (workers - 1) + [1 + (factor - 1) * real["compute_s"] / busy]
     simulated = figures(fast.train(config, out=str(out / f"{name}-sim"), run__engine="simulated",
                                    run__step_time=busy, run__step_time_spread=real["compute_spread"] or 0.0,
-                                   run__eval_time=real["eval_time_s"]), target)  # fmt: skip
+                                   run__eval_time=real["eval_time_s"], run__server_time=real["request_s"] or 0.0),
+                        target)  # fmt: skip
     return real, simulated
 
 

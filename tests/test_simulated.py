@@ -96,6 +96,18 @@ def test_with_a_step_time_spread_sync_waits_each_step_for_the_slowest_draw(tmp_p
     assert summary["step_compute_s"] == 0.010 and summary["step_compute_spread"] == 0.5
 
 
+def test_a_server_s_work_on_each_request_holds_up_its_answer(tmp_path):
+    """Links that cost nothing, 10 ms of compute, two workers: with 5 ms of server work per request the server
+    answers them one after the other, and each worker's cycle is its compute plus its own request, 15 ms."""
+    job = {**JOB, "strategy__name": "async-ps", "run__workers": 2, "run__max_steps": 40, "run__eval_every": 0,
+           "run__step_time": "10ms"}  # fmt: skip
+    free = fast.train(None, out=str(tmp_path / "free"), **job)
+    assert free["step_time_s"] == pytest.approx(0.010, rel=0.01) and free["server_request_s"] == 0.0
+    busy = fast.train(None, out=str(tmp_path / "busy"), **job, run__server_time="5ms")
+    assert busy["server_request_s"] == 0.005
+    assert busy["step_time_s"] == pytest.approx(0.015, rel=0.03)
+
+
 def test_gossip_exchange_travels_during_the_compute_and_an_evaluation_holds_up_the_peers(tmp_path):
     """Gossip posts its exchange before the forward pass: with 100 ms of compute and a message of well under
     100 ms, a step costs the compute alone. An evaluation of `run.eval_time` on worker 0 holds up its peer,
@@ -199,6 +211,7 @@ def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_
         ({"run__step_time": "soon"}, r"run\.step_time"),
         ({"run__eval_time": "-1s"}, r"run\.eval_time.*\"free\" or \"auto\""),
         ({"run__step_time_spread": -0.1}, r"run\.step_time_spread"),
+        ({"run__server_time": "later"}, r"run\.server_time.*\"free\" or \"auto\""),
         ({"run__max_restarts": 1}, r"run\.max_restarts"),
     ],
 )

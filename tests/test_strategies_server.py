@@ -159,6 +159,7 @@ def test_async_ps_run_sends_exact_bytes_records_staleness_and_exits(tmp_path, no
     assert summary["bytes_sent"] == workers * (worker_bytes + server_bytes)
     assert sum(summary["staleness_histogram"].values()) == servers * workers * steps
     assert summary["max_staleness"] >= 1  # two workers interleave
+    assert summary["server_request_s"] > 0  # the servers' own work on a request, timed
     assert summary["final_test_accuracy"] > 0.8
 
 

@@ -20,6 +20,12 @@ from fast.targets import Target, parse_target
 from fast.units import parse_duration
 
 
+def _free_auto_or_duration(value: str | float) -> float | None:
+    """A simulated time: "free" = 0 s, "auto" = None (timed on the host), else the duration in seconds."""
+    words = {"free": 0.0, "auto": None}
+    return words[value] if value in words else parse_duration(value)
+
+
 class Section(BaseModel):
     """A config table: unknown keys are errors, values are checked, not coerced from strings."""
 
@@ -75,6 +81,12 @@ class RunConfig(Section):
         'where its peers may wait for it; "free" = no time, "auto" = its time on this host, or a duration',
     )
 
+    server_time: str | float = Field(
+        "free",
+        description="simulated engine: how long a server works on one request (applying a push, answering a pull) "
+        'before its answer goes out; "free" = no time, "auto" = its time on this host, or a duration',
+    )
+
     @field_validator("max_time")
     @classmethod
     def _max_time(cls, value: str | float | None) -> str | float | None:
@@ -87,7 +99,7 @@ class RunConfig(Section):
                 raise ValueError('must be a positive duration such as "5min"; leave it out for no limit')
         return value
 
-    @field_validator("step_time", "eval_time")
+    @field_validator("step_time", "eval_time", "server_time")
     @classmethod
     def _simulated_time(cls, value: str | float, info: ValidationInfo) -> str | float:
         words = ("auto",) if info.field_name == "step_time" else ("free", "auto")
@@ -113,8 +125,12 @@ class RunConfig(Section):
     @property
     def eval_time_s(self) -> float | None:
         """The simulated time of one evaluation; None: timed on the host."""
-        words = {"free": 0.0, "auto": None}
-        return words[self.eval_time] if self.eval_time in words else parse_duration(self.eval_time)
+        return _free_auto_or_duration(self.eval_time)
+
+    @property
+    def server_time_s(self) -> float | None:
+        """The simulated time of a server's work on one request; None: timed on the host."""
+        return _free_auto_or_duration(self.server_time)
 
     @field_validator("targets")
     @classmethod

@@ -7,7 +7,7 @@ a Pareto-distributed draw when `heavy_tail` is set (capped at `heavy_tail_max`).
 step), so it repeats exactly. A crash ends the process abruptly (`os._exit`, no clean-up, as a machine
 failure would) before a given step or at a given time from the start of training, after writing one line
 to the worker's metrics file. The machine also times each step's own work, for the summary's mean compute of a step
-and its spread from step to step.
+and its spread from step to step, and a server's work on each request.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class EmulatedMachine:
         self._started: float | None = None
         self._waited = 0.0
         self._spread_steps, self._spread_mean, self._spread_m2 = 0, 0.0, 0.0
+        self._requests, self._request_s = 0, 0.0
+        self._requests_lock = threading.Lock()  # a server's lines answer in threads of their own
         self.slowdown_s = 0.0
         self.pauses: list[list[float]] = []
         self.paused_s = 0.0
@@ -108,6 +111,22 @@ class EmulatedMachine:
     def evaluating(self) -> Iterator[None]:
         """An evaluation on this machine, which takes the time it takes."""
         yield
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """A server's work on one request, which takes the time it takes: timed (all but its communication waits)
+        for the summary."""
+        started, waited = timing.now(), waited_s()
+        yield
+        work = (timing.now() - started) - (waited_s() - waited)
+        with self._requests_lock:
+            self._requests += 1
+            self._request_s += (work - self._request_s) / self._requests
+
+    @property
+    def request_s(self) -> float | None:
+        """A server's mean work on a request; None before any."""
+        return self._request_s if self._requests else None
 
     def after_step(self) -> None:
         """At the end of a step: time its own work, which is everything but its waits on communication."""

@@ -117,7 +117,8 @@ def machine_for(
         from fast.emulation.wire import wire
 
         run = config.run
-        return SimulatedMachine(plan, wire(), run.step_time_s, run.eval_time_s, events_file, run.step_time_spread)
+        return SimulatedMachine(plan, wire(), run.step_time_s, run.eval_time_s, events_file, run.step_time_spread,
+                                run.server_time_s)  # fmt: skip
     return EmulatedMachine(plan, events_file)
 
 

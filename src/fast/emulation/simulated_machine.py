@@ -5,7 +5,8 @@ log-normal draw of mean 1 when `run.step_time_spread` is set (a real host's step
 its peers waits for the slowest draw), plus the worker's slowdown and straggler pauses. As on an emulated machine,
 the slowdown and pauses come at the top of the step; the compute itself comes once the strategy has posted what it
 sends early (gossip's exchange), so that those messages travel while the worker computes, as they do in a real run.
-An evaluation holds up its worker for `run.eval_time`. A crash ends the worker's tasks, not the process.
+An evaluation holds up its worker for `run.eval_time`, and a server's work on a request holds up its answer for
+`run.server_time`. A crash ends the worker's tasks, not the process.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ class SimulatedMachine(EmulatedMachine):
 
     def __init__(
         self, plan: MachinePlan, wire: Wire, step_time_s: float | None, eval_time_s: float | None = 0.0,
-        events_file: Any = None, step_time_spread: float = 0.0,
+        events_file: Any = None, step_time_spread: float = 0.0, server_time_s: float | None = 0.0,
     ) -> None:  # fmt: skip
         super().__init__(plan, events_file)
         self.wire = wire
         self.fixed_s = step_time_s
         self.eval_time_s = eval_time_s
         self.spread = step_time_spread
+        self.server_time_s = server_time_s
         self._factor = 1.0
         self._host_started: float | None = None
 
@@ -98,6 +100,21 @@ class SimulatedMachine(EmulatedMachine):
         started = _host_seconds()
         yield
         timing.sleep(_host_seconds() - started if self.eval_time_s is None else self.eval_time_s)
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Charged before the answer goes out: `run.server_time`, or the median of the first requests timed on
+        the host (shared by every server of the simulation)."""
+        timed = self.wire.host_request_s
+        charged = self.server_time_s if self.server_time_s is not None else statistics.median(timed) if timed else 0.0
+        timing.sleep(charged)
+        with self._requests_lock:
+            self._requests += 1
+            self._request_s += (charged - self._request_s) / self._requests
+        started = _host_seconds()
+        yield
+        if self.server_time_s is None and len(timed) < MEASURED_STEPS:
+            timed.append(_host_seconds() - started)
 
     def _crash(self, step: int | None = None) -> None:
         """The worker's tasks end (its machine failed); the other simulated processes go on."""

@@ -64,6 +64,7 @@ class Wire:
         self.host_started = time.perf_counter()
         self.training_host_s: float | None = None  # until worker 0 was done training
         self.host_step_s: list[float] = []  # run.step_time = "auto": the first steps, timed on the host
+        self.host_request_s: list[float] = []  # run.server_time = "auto": the servers' first requests, likewise
 
     def group(self, key: tuple[Any, ...]) -> int:
         """The number of the group every member names by `key` (members create their groups in the same order)."""

@@ -194,6 +194,7 @@ class Ending:
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
             "compute_s": self.machine.compute_s,
             "compute_spread": self.machine.compute_spread,
+            "request_s": self.machine.request_s if self.is_server else None,
         }
         if emulated(self.config):
             own["deployment"] = record_of(self.machine, self.world)
@@ -327,6 +328,7 @@ class Ending:
         # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
         compute_s = max(computes) if computes else None
         spreads = [p["compute_spread"] for p in trainers if p.get("compute_spread") is not None]
+        requests = [p["request_s"] for p in everyone if p.get("request_s") is not None]
         steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
         samples = sum(p["steps"] for p in trainers) * self.batch_size
         sent = sum(p["counter"]["bytes_sent"] for p in everyone)
@@ -379,6 +381,7 @@ class Ending:
             "env": environment(),
             "step_compute_s": compute_s,
             "step_compute_spread": sum(spreads) / len(spreads) if spreads else None,
+            "server_request_s": sum(requests) / len(requests) if requests else None,
             "eval_time_s": sum(self.eval_seconds) / len(self.eval_seconds) if self.eval_seconds else None,
             "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
             "predicted_step_time_s": self._predicted_step_time(compute_s),

@@ -213,6 +213,7 @@ class Job(Evaluating, Checkpointing, Ending):
             generator=torch.Generator().manual_seed(run.seed * 7919 + self.rank),
             steps_per_epoch=1,
             save_checkpoint=self._save_server_checkpoint if self.is_server else None,
+            serving=self.machine.serving,
         )
         self.strategy: Strategy = build_strategy(config, self.context)
         point_to_point = self.strategy.survives_failures

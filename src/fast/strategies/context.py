@@ -4,6 +4,7 @@ generator), the model's layout that server processes know, and which replica `fi
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,3 +74,5 @@ class StrategyContext:
     # a server process hands its checkpoint state here when it has one (fast.worker writes it atomically and
     # gives it back to `load_state_dict` on resume); None where nothing is checkpointed
     save_checkpoint: Callable[[dict[str, Any]], None] | None = None
+    # a server's work on one request runs inside this (its machine's `serving`: timed, and charged in a simulation)
+    serving: Callable[[], AbstractContextManager[None]] = nullcontext

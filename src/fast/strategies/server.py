@@ -103,7 +103,8 @@ class ServerLoop:
             self.server.finished(request)
         else:
             try:
-                self.server.answer(request)
+                with self.server.ctx.serving():
+                    self.server.answer(request)
             except CommError as e:
                 self._lost(sender, str(e))
         self.server.save_snapshots(self.done)
