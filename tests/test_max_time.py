@@ -29,20 +29,18 @@ def test_a_run_stops_when_its_time_is_up_and_reports_what_it_did(tmp_path, no_or
     assert 1.5 <= summary["wall_time_s"] < 10
     assert summary["evaluations"][-1]["step"] == summary["steps_per_worker"]
     assert summary["final_test_accuracy"] > 0.5
-    if strategy == "sync":
-        _assert_ended_at_a_check(summary)
-
-
-def _assert_ended_at_a_check(summary: dict) -> None:
-    """Workers in step agree on the end every log_every (5) steps and at the end of each epoch."""
-    steps, per_epoch = summary["steps_per_worker"], summary["steps_per_epoch"]
-    assert steps % 5 == 0 or steps % per_epoch == 0, (steps, per_epoch)
 
 
 @pytest.mark.parametrize("value", ["0s", "soon", -3])
 def test_a_bad_max_time_is_a_one_line_error(value):
     with pytest.raises(ConfigError, match=r"run\.max_time"):
         fast.train(None, **{**JOB, "run__max_time": value})
+
+
+@pytest.mark.parametrize("value", ["0s", "often"])
+def test_a_bad_check_interval_is_a_one_line_error(value):
+    with pytest.raises(ConfigError, match=r"run\.check_interval.*duration"):
+        fast.train(None, **{**JOB, "run__check_interval": value})
 
 
 def _dies_at_step_8_on_worker_2(model, x, y):
@@ -62,5 +60,4 @@ def test_gossip_survivors_agree_on_the_end_of_time_without_the_dead_worker(tmp_p
     assert [f["worker"] for f in summary["failures"]] == [2]
     assert 4 <= summary["wall_time_s"] < 15
     assert summary["steps_per_worker"] > 8
-    _assert_ended_at_a_check(summary)
     assert summary["final_test_accuracy"] > 0.5

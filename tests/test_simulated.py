@@ -108,6 +108,15 @@ def test_a_server_s_work_on_each_request_holds_up_its_answer(tmp_path):
     assert busy["step_time_s"] == pytest.approx(0.015, rel=0.03)
 
 
+def test_workers_in_step_check_as_the_time_runs_out_so_a_run_ends_right_at_its_max_time(tmp_path):
+    """10 ms steps and 0.25 s of training: after the first step the workers agree to check again once the time is
+    up (24 steps on), not at a fixed stride of steps."""
+    job = {**JOB, "strategy__name": "sync", "run__epochs": 100, "run__eval_every": 0, "run__step_time": "10ms",
+           "run__max_time": "0.25s"}  # fmt: skip
+    summary = fast.train(None, out=str(tmp_path), **job)
+    assert summary["steps_per_worker"] in (25, 26)
+
+
 def test_gossip_exchange_travels_during_the_compute_and_an_evaluation_holds_up_the_peers(tmp_path):
     """Gossip posts its exchange before the forward pass: with 100 ms of compute and a message of well under
     100 ms, a step costs the compute alone. An evaluation of `run.eval_time` on worker 0 holds up its peer,

@@ -49,6 +49,11 @@ class RunConfig(Section):
     max_time: str | float | None = Field(
         None, description='stop training after this much training time, e.g. "5min" (evaluation off the clock)'
     )
+    check_interval: str | float = Field(
+        "1s",
+        description="workers in step check together (has the time run out, has a worker stopped) after their first "
+        "step, then about this often, at a step they agree on, and at each epoch's end",
+    )
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
     max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
     deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
@@ -87,16 +92,17 @@ class RunConfig(Section):
         'before its answer goes out; "free" = no time, "auto" = its time on this host, or a duration',
     )
 
-    @field_validator("max_time")
+    @field_validator("max_time", "check_interval")
     @classmethod
-    def _max_time(cls, value: str | float | None) -> str | float | None:
+    def _positive_duration(cls, value: str | float | None, info: ValidationInfo) -> str | float | None:
         if value is not None:
             try:
                 seconds = parse_duration(value)
             except ConfigError as e:
                 raise ValueError(str(e)) from None
             if seconds <= 0:
-                raise ValueError('must be a positive duration such as "5min"; leave it out for no limit')
+                hint = "; leave it out for no limit" if info.field_name == "max_time" else ""
+                raise ValueError(f'must be a positive duration such as "5min"{hint}')
         return value
 
     @field_validator("step_time", "eval_time", "server_time")
@@ -116,6 +122,10 @@ class RunConfig(Section):
     @property
     def max_time_s(self) -> float | None:
         return parse_duration(self.max_time) if self.max_time is not None else None
+
+    @property
+    def check_interval_s(self) -> float:
+        return parse_duration(self.check_interval)
 
     @property
     def step_time_s(self) -> float | None:

@@ -56,6 +56,7 @@ from fast.strategies import Strategy, StrategyContext, build_strategy
 from fast.strategies.base import ModelLayout
 
 LAYOUT_TAG = tags.LAYOUT
+MAX_STEPS_BETWEEN_CHECKS = 10_000
 _current: ContextVar[Job | None] = ContextVar("job", default=None)  # the process's (each simulated one's) job
 
 
@@ -245,6 +246,8 @@ class Job(Evaluating, Checkpointing, Ending):
         self._stopping = False
         self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
         self._checked_at = -1  # the step of the last check
+        self._pace_from = (0, 0.0)  # (step, training time) of the last check, or of the start
+        self._next_check = 1  # the step after which the workers check next: the first, then as they agree
         self._owed: int | None = None  # a check due after this step, not taken yet
         self._losses: list[torch.Tensor] = []
         self._values: dict[str, list[float]] = {}
@@ -301,6 +304,7 @@ class Job(Evaluating, Checkpointing, Ending):
         self.clock = Clock(offset, self.timeline)
         self.timeline.count_from_now()
         self.trained_s = offset
+        self._pace_from = (self.step, offset)  # the workers' pace, for the next check, is timed from here
         return model, optimizer
 
     def validate_with(self, score: Callable[[nn.Module], float]) -> None:
@@ -399,10 +403,22 @@ class Job(Evaluating, Checkpointing, Ending):
         self._checkpoint_due = bool(checkpoints and done % checkpoints == 0 and not self.stopped)
 
     def _check_due(self, step: int) -> bool:
-        """Whether the workers in step check together after `step`: every log_every steps, at each epoch's end and
-        at the planned last step (the same steps on every worker)."""
+        """Whether the workers in step check together after `step`: at the step they agreed on at the last check
+        (the first step, for the first), at each epoch's end and at the planned last step (the same steps on every
+        worker)."""
         spe = self.steps_per_epoch
-        return step % self.config.run.log_every == 0 or bool(spe and step % spe == 0) or step == self.total_steps
+        return step >= self._next_check or bool(spe and step % spe == 0) or step == self.total_steps
+
+    def _steps_to_next_check(self) -> int:
+        """This worker's proposal for the next check: the steps it takes about `run.check_interval` at its pace
+        since the last check, and no more than it takes to reach `run.max_time`."""
+        run = self.config.run
+        interval = run.check_interval_s
+        if run.max_time_s is not None:
+            interval = min(interval, run.max_time_s - self.trained_s)
+        step, seconds = self._pace_from
+        per_step = (self.trained_s - seconds) / max(1, self.step - step)
+        return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(interval / per_step))) if per_step > 0 else 1
 
     def _settle(self, finishing: bool = False) -> None:
         """Take the check owed at this step, now that this worker knows whether it goes on (`finishing`: no)."""
@@ -411,13 +427,16 @@ class Job(Evaluating, Checkpointing, Ending):
             self._agree(done=finishing or self.stopped)
 
     def _agree(self, done: bool) -> None:
-        """The workers' check every log_every steps and at the planned last step: has the time run out, will every
-        worker stop here (`done`: this one will)? Either way the workers end here, together (`_ended_at`)."""
+        """The workers' periodic check: has the time run out, will every worker stop here (`done`: this one will)?
+        Either way the workers end here, together (`_ended_at`). They also agree on the next check: the soonest
+        any of them proposes."""
         self._checked_at = self.step
         limit = self.config.run.max_time_s
         out_of_time = limit is not None and self.trained_s >= limit
-        answer = self.control.round(control.STOP, self.step, [int(out_of_time), int(done)], self.strategy.dead,
-                                    self._lost)  # fmt: skip
+        flags = [int(out_of_time), int(done), self._steps_to_next_check()]
+        answer = self.control.round(control.STOP, self.step, flags, self.strategy.dead, self._lost)
+        self._pace_from = (self.step, self.trained_s)
+        self._next_check = self.step + min(f[2] for f in answer.flags)
         if answer.any(0):
             self._stopping = True
         if answer.any(0) or answer.all(1):
