@@ -106,6 +106,8 @@ def test_a_server_s_work_on_each_request_holds_up_its_answer(tmp_path):
     busy = fast.train(None, out=str(tmp_path / "busy"), **job, run__server_time="5ms")
     assert busy["server_request_s"] == 0.005
     assert busy["step_time_s"] == pytest.approx(0.015, rel=0.03)
+    timed = fast.train(None, out=str(tmp_path / "timed"), **job, run__server_time="auto")
+    assert 0 < timed["server_request_s"] < 0.1  # this host's time to apply an update of the MLP
 
 
 def test_workers_in_step_check_as_the_time_runs_out_so_a_run_ends_right_at_its_max_time(tmp_path):

@@ -118,10 +118,12 @@ class EmulatedMachine:
         for the summary."""
         started, waited = timing.now(), waited_s()
         yield
-        work = (timing.now() - started) - (waited_s() - waited)
+        self._count_request((timing.now() - started) - (waited_s() - waited))
+
+    def _count_request(self, seconds: float) -> None:
         with self._requests_lock:
             self._requests += 1
-            self._request_s += (work - self._request_s) / self._requests
+            self._request_s += (seconds - self._request_s) / self._requests
 
     @property
     def request_s(self) -> float | None:

@@ -108,9 +108,7 @@ class SimulatedMachine(EmulatedMachine):
         timed = self.wire.host_request_s
         charged = self.server_time_s if self.server_time_s is not None else statistics.median(timed) if timed else 0.0
         timing.sleep(charged)
-        with self._requests_lock:
-            self._requests += 1
-            self._request_s += (charged - self._request_s) / self._requests
+        self._count_request(charged)
         started = _host_seconds()
         yield
         if self.server_time_s is None and len(timed) < MEASURED_STEPS:
