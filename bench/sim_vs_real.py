@@ -59,6 +59,10 @@ def job(strategy: str, workers: int, epochs: float, target: float, straggler: bo
     return config
 
 
+def row_name(strategy: str, workers: int, straggler: bool) -> str:
+    return f"{strategy}-{workers}{'-straggler' if straggler else ''}"
+
+
 def figures(summary: dict[str, Any], target: float) -> dict[str, Any]:
     return {
         "step_time_s": summary["step_time_s"],
@@ -85,7 +89,7 @@ def pair(strategy: str, workers: int, epochs: float, target: float, unslowed: di
     straggler = unslowed is not None
     config = job(strategy, workers, epochs, target, straggler)
     config["run"]["seed"] = seed
-    name = f"{strategy}-{workers}{'-straggler' if straggler else ''}-{seed}"
+    name = f"{row_name(strategy, workers, straggler)}-{seed}"
     real = figures(fast.train(config, out=str(out / f"{name}-real")), target)
     busy = real["busy_s"]
     if unslowed is not None:  # this run's own compute, and the same extra time as emulation's (f - 1) x compute
@@ -129,8 +133,7 @@ def compare(strategy: str, workers: int, epochs: float, target: float, unslowed:
     """Real, then simulated, for seeds 0 .. repeats - 1; `unslowed`: the real figures of the same run without a
     straggler, for one with."""
     pairs = [pair(strategy, workers, epochs, target, unslowed, out, seed) for seed in range(repeats)]
-    straggler = unslowed is not None
-    name = f"{strategy}-{workers}{'-straggler' if straggler else ''}"
+    name = row_name(strategy, workers, unslowed is not None)
     real, simulated = medians([r for r, _ in pairs]), medians([s for _, s in pairs])
     real["time_to_target_s"] = crossing([r["curve"] for r, _ in pairs], target)
     simulated["time_to_target_s"] = crossing([s["curve"] for _, s in pairs], target)
@@ -194,7 +197,7 @@ def main() -> None:
         for strategy, workers, straggler in plan:
             unslowed = None
             if straggler:
-                unslowed = next((r["real"] for r in rows if r["name"] == f"{strategy}-{workers}"), None)
+                unslowed = next((r["real"] for r in rows if r["name"] == row_name(strategy, workers, False)), None)
                 if unslowed is None:  # not in this run's plan: measure it first
                     unslowed = compare(strategy, workers, args.epochs, args.target, None, Path(folder),
                                        args.repeats)["real"]  # fmt: skip

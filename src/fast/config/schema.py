@@ -20,7 +20,7 @@ from fast.targets import Target, parse_target
 from fast.units import parse_duration
 
 
-def _free_auto_or_duration(value: str | float) -> float | None:
+def _simulated_seconds(value: str | float) -> float | None:
     """A simulated time: "free" = 0 s, "auto" = None (timed on the host), else the duration in seconds."""
     words = {"free": 0.0, "auto": None}
     return words[value] if value in words else parse_duration(value)
@@ -85,7 +85,6 @@ class RunConfig(Section):
         description="simulated engine: how long an evaluation holds up the worker that runs it, as in a real run, "
         'where its peers may wait for it; "free" = no time, "auto" = its time on this host, or a duration',
     )
-
     server_time: str | float = Field(
         "free",
         description="simulated engine: how long a server works on one request (applying a push, answering a pull) "
@@ -130,17 +129,17 @@ class RunConfig(Section):
     @property
     def step_time_s(self) -> float | None:
         """The simulated compute of one step; None: timed on the host."""
-        return None if self.step_time == "auto" else parse_duration(self.step_time)
+        return _simulated_seconds(self.step_time)
 
     @property
     def eval_time_s(self) -> float | None:
         """The simulated time of one evaluation; None: timed on the host."""
-        return _free_auto_or_duration(self.eval_time)
+        return _simulated_seconds(self.eval_time)
 
     @property
     def server_time_s(self) -> float | None:
         """The simulated time of a server's work on one request; None: timed on the host."""
-        return _free_auto_or_duration(self.server_time)
+        return _simulated_seconds(self.server_time)
 
     @field_validator("targets")
     @classmethod

@@ -40,6 +40,19 @@ def spread_factor(spread: float, seed: int, rank: int, step: int) -> float:
     return math.exp(sigma * statistics.NormalDist().inv_cdf(u) - sigma * sigma / 2)
 
 
+def _charged_s(fixed_s: float | None, timed: list[float]) -> float:
+    """A time fixed by the config, or the median of the first ones timed on the host (0 before any)."""
+    if fixed_s is not None:
+        return fixed_s
+    return statistics.median(timed) if timed else 0.0
+
+
+def _time_on_host(fixed_s: float | None, timed: list[float], seconds: float) -> None:
+    """Keep one of the first MEASURED_STEPS host timings, when the config fixes no time."""
+    if fixed_s is None and len(timed) < MEASURED_STEPS:
+        timed.append(seconds)
+
+
 def _host_seconds() -> float:
     task = current_task()
     return task.host_seconds() if task is not None else 0.0
@@ -62,18 +75,11 @@ class SimulatedMachine(EmulatedMachine):
         self._factor = 1.0
         self._host_started: float | None = None
 
-    def _estimate_s(self) -> float:
-        """The compute of one step: fixed by the config, or the median of the first steps timed on the host
-        (shared by every worker of the simulation)."""
-        if self.fixed_s is not None:
-            return self.fixed_s
-        timed = self.wire.host_step_s
-        return statistics.median(timed) if timed else 0.0
-
     def before_step(self, step: int) -> None:
         """Crash, stall, or slow down by (factor - 1) x the mean compute of a step, as an emulated machine does;
-        draw this step's own compute."""
-        self._compute_s = self._estimate_s()
+        draw this step's own compute. The mean is fixed by the config, or the median of the first steps timed on
+        the host (shared by every worker of the simulation)."""
+        self._compute_s = _charged_s(self.fixed_s, self.wire.host_step_s)
         self._steps_timed += 1
         self._factor = spread_factor(self.spread, self.plan.seed, self.plan.rank, step)
         super().before_step(step)
@@ -89,10 +95,8 @@ class SimulatedMachine(EmulatedMachine):
         self._host_started = _host_seconds()
 
     def after_step(self) -> None:
-        if self.fixed_s is None and self._host_started is not None:
-            timed = self.wire.host_step_s
-            if len(timed) < MEASURED_STEPS:
-                timed.append(_host_seconds() - self._host_started)
+        if self._host_started is not None:
+            _time_on_host(self.fixed_s, self.wire.host_step_s, _host_seconds() - self._host_started)
         self._host_started = None
 
     @contextmanager
@@ -105,14 +109,12 @@ class SimulatedMachine(EmulatedMachine):
     def serving(self) -> Iterator[None]:
         """Charged before the answer goes out: `run.server_time`, or the median of the first requests timed on
         the host (shared by every server of the simulation)."""
-        timed = self.wire.host_request_s
-        charged = self.server_time_s if self.server_time_s is not None else statistics.median(timed) if timed else 0.0
+        charged = _charged_s(self.server_time_s, self.wire.host_request_s)
         timing.sleep(charged)
         self._count_request(charged)
         started = _host_seconds()
         yield
-        if self.server_time_s is None and len(timed) < MEASURED_STEPS:
-            timed.append(_host_seconds() - started)
+        _time_on_host(self.server_time_s, self.wire.host_request_s, _host_seconds() - started)
 
     def _crash(self, step: int | None = None) -> None:
         """The worker's tasks end (its machine failed); the other simulated processes go on."""

@@ -194,7 +194,7 @@ class Ending:
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
             "compute_s": self.machine.compute_s,
             "compute_spread": self.machine.compute_spread,
-            "request_s": self.machine.request_s if self.is_server else None,
+            "request_s": self.machine.request_s,  # a server's (workers answer no requests)
         }
         if emulated(self.config):
             own["deployment"] = record_of(self.machine, self.world)
