@@ -154,7 +154,10 @@ def test_momentum_compensation_lowers_momentum_by_the_staleness_each_strategy_me
     summary = fast.train(None, out=str(tmp_path), run__epochs=2, optimizer__momentum=0.9,
                          strategy__momentum_compensation=True, **strategy, **JOB)  # fmt: skip
     staleness = summary["compensated_staleness"]
-    assert staleness > 0 and summary["explicit_momentum"] == pytest.approx(compensated(0.9, staleness), abs=1e-3)
+    # ad-psgd counts the averagings its listener thread answered while the step computed: on a loaded host the
+    # listener may not run then in a whole run (1 run in 6 with two busy loops beside it), and 0 is then right
+    assert staleness > 0 or (strategy["strategy__name"] == "ad-psgd" and staleness == 0)
+    assert summary["explicit_momentum"] == pytest.approx(compensated(0.9, staleness), abs=1e-3)
     assert summary["final_test_accuracy"] > 0.8
 
 
