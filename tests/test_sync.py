@@ -8,6 +8,7 @@ from fast.assemble import load_config
 from fast.comm import Comm
 from fast.jobs.models import build_model
 from fast.strategies import StrategyContext, build_strategy
+from fast.strategies.sync import Bucket
 
 STEPS, BATCH = 5, 8
 
@@ -71,3 +72,24 @@ def test_sync_with_n_workers_equals_one_worker_with_n_times_the_batch(workers):
         for name, reference in expected.items():
             torch.testing.assert_close(out[rank][name], reference, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
     assert not torch.equal(expected["sgd"], expected["momentum"])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_bucket_with_one_non_finite_gradient_sends_zeros_counted_0(bad):
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    bucket = Bucket(params, torch.zeros(17))
+    params[0].grad, params[1].grad = torch.ones(3, 4), torch.ones(5)
+    params[1].grad[2] = bad
+    assert not bucket.fill()
+    assert torch.equal(bucket.buffer, torch.zeros(18))
+
+
+def test_a_bucket_with_huge_finite_gradients_contributes_them():
+    params = [torch.nn.Parameter(torch.zeros(1000))]
+    bucket = Bucket(params, torch.zeros(1000))
+    params[0].grad = torch.full((1000,), 3e38)  # their sum would overflow; they are still finite
+    assert bucket.fill()
+    assert float(bucket.count) == 1.0 and torch.equal(bucket.grads, params[0].grad)
+    bucket.buffer[-1] = 4.0  # as if four workers had summed into it
+    bucket.average()
+    assert torch.equal(bucket.grads, torch.full((1000,), 3e38 / 4))

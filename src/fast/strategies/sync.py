@@ -15,6 +15,7 @@ decay move from the optimizer to each worker, before compression (fast.strategie
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -50,10 +51,12 @@ class Bucket:
     parameter's `.grad` becomes a view into it (DDP's gradient_as_bucket_view), so nothing is copied back.
     """
 
-    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
+    def __init__(self, params: list[nn.Parameter], zeros: torch.Tensor) -> None:
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params) + 1, device=device)
+        size = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(size + 1, device=zeros.device)
         self.grads, self.count = self.buffer[:-1], self.buffer[-1:]
+        self.zeros = zeros[:size]  # shared by all buckets; never written
         flat = torch.split(self.grads, [p.numel() for p in params])
         self.views = [view.view_as(p) for view, p in zip(flat, params, strict=True)]
         self.ready = 0
@@ -66,8 +69,9 @@ class Bucket:
                 view.zero_()
             elif p.grad.data_ptr() != view.data_ptr():  # not already the view (zero_grad(set_to_none=False))
                 view.copy_(p.grad)
-        # min and max are NaN or infinite exactly when some element is; far cheaper than isfinite().all()
-        finite = bool(torch.isfinite(torch.stack(torch.aminmax(self.grads))).all())
+        # x * 0 is NaN exactly when x is NaN or infinite, and a sum of zeros cannot overflow: one pass, no
+        # allocation, far cheaper than isfinite().all() and than min and max
+        finite = math.isfinite(torch.dot(self.grads, self.zeros))
         if not finite or not contributing:
             self.buffer.zero_()
         self.count.fill_(1.0 if finite and contributing else 0.0)
@@ -75,7 +79,7 @@ class Bucket:
 
     def average(self) -> None:
         count = float(self.count)
-        self.grads.div_(count) if count > 0 else self.buffer.zero_()
+        self.grads.mul_(1 / count) if count > 0 else self.buffer.zero_()  # mul: half the time of div
 
     def write_back(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):
@@ -145,16 +149,17 @@ class Sync(Strategy):
 
     def _make_buckets(self, params: list[nn.Parameter]) -> list[Bucket]:
         cap = self.options.bucket_mb * 2**20 / 4
-        buckets, current, size = [], [], 0
+        runs, current, size = [], [], 0
         for p in reversed(params):  # backward produces the last layers' gradients first
             current.append(p)
             size += p.numel()
             if size >= cap:
-                buckets.append(Bucket(current, self.ctx.device))
+                runs.append(current)
                 current, size = [], 0
         if current:
-            buckets.append(Bucket(current, self.ctx.device))
-        return buckets
+            runs.append(current)
+        zeros = torch.zeros(max((sum(p.numel() for p in run) for run in runs), default=0), device=self.ctx.device)
+        return [Bucket(run, zeros) for run in runs]
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
         if self.accumulating:
