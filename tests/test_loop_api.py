@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import fast
 from fast.jobs.datasets import load_dataset, partition
+from fast.jobs.loop import first_samples
 from fast.jobs.models import build_model
 from fast.runtime.loader import epoch_order
 from fast.tools.cli import main
@@ -175,6 +176,40 @@ strategy = { name = "local-sgd", period = 4 }
     comparison = fast.compare(str(tmp_path / "job.toml"), str(tmp_path / "compare"))
     assert not comparison.failed and comparison.report.is_file()
     assert "error" in comparison.report.read_text()
+
+
+def test_evaluations_during_the_run_take_eval_samples_of_the_test_set_and_the_final_one_all(tmp_path):
+    (tmp_path / "counting.py").write_text(
+        "def samples(model, test):\n    return {'accuracy': 0.5, 'samples': float(len(test))}\n"
+    )
+    (tmp_path / "job.toml").write_text(
+        '[data]\nname = "digits"\n[model]\nname = "mlp"\n[eval]\nfactory = "counting:samples"\nsamples = 100\n'
+        '[run]\nworkers = 2\nepochs = 1\neval_every = 0.25\nengine = "simulated"\n'
+    )
+    summary = fast.train(str(tmp_path / "job.toml"), out=str(tmp_path / "run"))
+    counts = [evaluation["test_samples"] for evaluation in summary["evaluations"]]
+    assert counts == [100.0, 100.0, 100.0, float(len(load_dataset("digits", seed=0).y_test))]
+
+
+def test_first_samples_are_the_same_first_ones_of_every_kind_of_dataset():
+    x, y = torch.arange(10.0), torch.arange(10)
+    tensors = torch.utils.data.TensorDataset(x, y)
+
+    class Listed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return x[i], y[i]
+
+    class Streamed(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(x, y, strict=True))
+
+    for dataset in (tensors, Listed(), Streamed()):
+        first = [int(label) for _, label in first_samples(dataset, 4)]
+        assert first == [0, 1, 2, 3], type(dataset)
+    assert len(first_samples(tensors, 50)) == 10
 
 
 def test_warmup_cosine_gives_the_expected_learning_rate_on_every_worker(tmp_path):

@@ -37,10 +37,10 @@ from fast.errors import PackageError
 FORMAT = 1
 PACKAGE_SUFFIX = ".fastjob"
 # keys the data owner sets whatever the author left open: their data, their machines and links, their run folder
-OWNER_KEYS = ("data.*", "package.*", "network.*", "compute.*", "faults.*", "eval.batch_size", "run.name", "run.device",
-              "run.master_addr", "run.master_port", "run.threads_per_worker", "run.deadline_s", "run.log_every",
-              "run.eval_every", "run.targets", "run.tensorboard", "run.trace", "run.checkpoint_every",
-              "run.max_restarts")  # fmt: skip
+OWNER_KEYS = ("data.*", "package.*", "network.*", "compute.*", "faults.*", "eval.batch_size", "eval.samples",
+              "run.name", "run.device", "run.master_addr", "run.master_port", "run.threads_per_worker",
+              "run.deadline_s", "run.log_every", "run.eval_every", "run.targets", "run.tensorboard", "run.trace",
+              "run.checkpoint_every", "run.max_restarts")  # fmt: skip
 MANIFEST, SIGNATURE = "manifest.json", "signature"
 MEMBERS = ("config.toml", "schema.json", "train.json", "eval.json", "weights.json", "weights.bin")
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (torch.float32, torch.float64, torch.float16,

@@ -203,6 +203,12 @@ class EvalConfig(FactorySection):
     """`[eval] factory`: named metrics of a model, `evaluate(model, test_dataset)` -> {"accuracy": ..., ...}."""
 
     batch_size: int = Field(1000, ge=1, description="batch size of the built-in evaluation")
+    samples: int = Field(
+        0,
+        ge=0,
+        description="test samples of each evaluation during the run, the first ones (0: all); the final "
+        "evaluation takes them all",
+    )
 
 
 class OptimizerConfig(BaseModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,15 +203,31 @@ def eval_for(config: Config, test: Dataset | None, device: torch.device) -> Eval
     return lambda model: function(model, test, **options)
 
 
+class _FirstOf(IterableDataset):
+    """The first `n` samples of an iterable dataset."""
+
+    def __init__(self, dataset: IterableDataset, n: int) -> None:
+        self.dataset, self.n = dataset, n
+
+    def __iter__(self) -> Any:
+        return itertools.islice(iter(self.dataset), self.n)
+
+
+def first_samples(dataset: Dataset, n: int) -> Dataset:
+    """The first `n` samples of `dataset` (all of them if it has fewer), the same ones every time."""
+    if isinstance(dataset, IterableDataset):
+        return _FirstOf(dataset, n)
+    tensors = getattr(dataset, "tensors", None)
+    if tensors is not None:
+        return TensorDataset(*(t[:n] for t in tensors))
+    return Subset(dataset, range(min(n, len(dataset))))
+
+
 def validation_score(config: Config, train: Dataset, device: torch.device) -> Callable[[nn.Module], float] | None:
     """A replica's score for final_model = "best": the first target's metric on the first training samples."""
     if isinstance(train, IterableDataset):
         return None
-    held = Subset(train, range(min(VALIDATION_SAMPLES, len(train))))
-    tensors = getattr(train, "tensors", None)
-    if tensors is not None:
-        held = TensorDataset(*(t[:VALIDATION_SAMPLES] for t in tensors))
-    evaluate = eval_for(config, held, device)
+    evaluate = eval_for(config, first_samples(train, VALIDATION_SAMPLES), device)
     metric = config.run.parsed_targets[0].metric if config.run.targets else "accuracy"
     sign = -1.0 if lower_is_better(metric) else 1.0
     return lambda model: sign * evaluate(model)[metric]
@@ -228,6 +245,9 @@ def train_worker(config: Config, run_dir: Path, user: UserCode, resume: bool = F
     loader = job.loader(train, config.run.batch_size)
     step = step_for(config, user)
     evaluate = eval_for(config, test, job.device)
+    evaluate_during = evaluate  # the evaluations during the run: on the first eval.samples of the test set
+    if config.eval.samples and test is not None:
+        evaluate_during = eval_for(config, first_samples(test, config.eval.samples), job.device)
     score = validation_score(config, train, job.device)
     model = model_for(config, train, user)
     model, optimizer = job.prepare(model, build_optimizer(config.optimizer, model.parameters()))
@@ -249,5 +269,5 @@ def train_worker(config: Config, run_dir: Path, user: UserCode, resume: bool = F
             optimizer.zero_grad(set_to_none=True)
             job.log(loss=loss)
             if evaluate is not None and every and job.step % every == 0 and not job.stopped:
-                job.evaluate(evaluate)
+                job.evaluate(evaluate_during)
     return job.finish(evaluate)

@@ -306,6 +306,12 @@ class Ending:
             divergence = float(((flats - mean).norm(dim=1) / mean.norm().clamp_min(1e-12)).mean())
         self._record_evaluation(metrics, divergence)
 
+    def _eval_time_s(self) -> float | None:
+        """Worker 0's mean time for an evaluation during the run; the final one's if there was none (the final one
+        takes the whole test set, those during the run `eval.samples` of it)."""
+        seconds = self.eval_seconds or self.final_eval_seconds
+        return sum(seconds) / len(seconds) if seconds else None
+
     def _predicted_step_time(self, compute_s: float | None) -> float | None:
         """The cost model's step time for this run (fast.tools.predict) from the compute time the run measured, to set
         beside the measured step time; None when the strategy has no cost model."""
@@ -382,7 +388,7 @@ class Ending:
             "step_compute_s": compute_s,
             "step_compute_spread": sum(spreads) / len(spreads) if spreads else None,
             "server_request_s": sum(requests) / len(requests) if requests else None,
-            "eval_time_s": sum(self.eval_seconds) / len(self.eval_seconds) if self.eval_seconds else None,
+            "eval_time_s": self._eval_time_s(),
             "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }

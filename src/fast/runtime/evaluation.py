@@ -94,7 +94,7 @@ class Evaluating:
         with self.clock.pause(), self.driver.evaluation():
             if collective:
                 model = strategy.final_model() if final else strategy.eval_model()
-                metrics = self._metrics_of(fn, model) if self.is_main else {}
+                metrics = self._metrics_of(fn, model, during_run=not final) if self.is_main else {}
                 if self.is_main:
                     self._check_targets(metrics)
                 metrics = broadcast_json(self.comm, metrics, self.comm.ranks[0]) if self.workers > 1 else metrics
@@ -102,17 +102,17 @@ class Evaluating:
                     divergence = strategy.divergence()
             else:  # worker 0 alone, while the others train on: its own replica, or the strategy's view
                 model = strategy.model if strategy.collective_eval else strategy.eval_model()
-                metrics = self._metrics_of(fn, model)
+                metrics = self._metrics_of(fn, model, during_run=True)
                 self._check_targets(metrics)
         self.final_model = model
         self._record_evaluation(metrics, divergence)
         return metrics
 
-    def _metrics_of(self, fn: EvalFn, model: nn.Module) -> dict[str, float]:
+    def _metrics_of(self, fn: EvalFn, model: nn.Module, during_run: bool = False) -> dict[str, float]:
         started = timing.now()
         with self.machine.evaluating():  # a simulated machine charges it as `run.eval_time` says
             metrics = metrics_of(fn, model)
-        self.eval_seconds.append(timing.now() - started)
+        (self.eval_seconds if during_run else self.final_eval_seconds).append(timing.now() - started)
         return metrics
 
     def _record_evaluation(self, metrics: dict[str, float], divergence: float | None) -> None:

@@ -254,7 +254,9 @@ class Job(Evaluating, Checkpointing, Ending):
         self._recorded_at = -1
         self._eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
         self._checked_targets = False
-        self.eval_seconds: list[float] = []  # worker 0's evaluations, each the time its eval function took
+        # worker 0's evaluations, each the time its eval function took: during the run, and the final one(s)
+        self.eval_seconds: list[float] = []
+        self.final_eval_seconds: list[float] = []
 
     # -- who -------------------------------------------------------------------------------------------------------
     @property
