@@ -3,11 +3,11 @@
     .venv/bin/python bench/sim_vs_real.py [--workers 4 8] [--strategies sync local-sgd gossip async-ps ad-psgd]
                                           [--epochs 1] [--target 0.7] [--repeats 1] [--out results.json]
 
-Fashion-MNIST, LeNet-5, batch 64 per worker, SGD (lr 0.05, momentum 0.9, cosine decay to 0 over the run),
-evaluated every 0.05 epochs, on emulated links of 100 Mbit/s and 5 ms each way; gossip on a torus (2x2, 2x4). Each
-configuration runs twice, as real processes (`run.engine = "processes"`, gloo under link emulation) and simulated
-(`run.engine = "simulated"`), and once more per strategy at 4 workers with worker 3 three times
-slower (`[compute] slowdown`).
+Fashion-MNIST, LeNet-5, batch 64 per worker, SGD (lr 0.05, momentum 0.9, cosine decay to 0 over the run), evaluated
+every 0.05 epochs on 2,000 test samples (at the end on all 10,000), on emulated links of 100 Mbit/s and 5 ms each
+way; gossip on a torus (2x2, 2x4). Each configuration runs twice, as real processes (`run.engine = "processes"`,
+gloo under link emulation) and simulated (`run.engine = "simulated"`), and once more per strategy at 4 workers with
+worker 3 three times slower (`[compute] slowdown`).
 
 The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its step
 time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records), spread
@@ -19,14 +19,15 @@ the contention of N processes for this machine's cores. With a straggler the oth
 fewer contends for the cores), so the simulation is charged that run's own compute (`step_compute_s`, plus the
 unslowed run's per-step work outside it); a slowdown f makes emulation sleep (f − 1) x the measured compute, and the
 simulated straggler is given the slowdown that adds the same time, 1 + (f − 1) x compute / charged.
-Targets of the issue: simulated step time and time to target within 15% of the real run's; final accuracy within
-1.5 points. An asynchronous run's accuracy wobbles from one evaluation to the next, so two real runs of the same
-job neither end at the same accuracy nor cross the target at the same evaluation. The learning rate decays to 0,
-so that the final accuracy is the trained model's and not where the last evaluation caught the wobble (at a
-constant 0.05, three real `ad-psgd` runs at 4 workers ended 2.9 points apart; decayed, four ended 1.0 apart), and
-evaluations are frequent, so that the crossing is not rounded to a coarse grid. Beyond that, `--repeats R` runs
-each configuration with seeds 0 .. R-1 on both sides and compares the medians, and for time to target the time at
-which the accuracy averaged over the seeds (evaluation by evaluation) first reaches the target.
+Targets of the issue: simulated step time and time to target within 15% of the real run's; final accuracy within 1.5
+points. An asynchronous run's accuracy wobbles from one evaluation to the next, so two real runs of the same job
+neither end at the same accuracy nor cross the target at the same evaluation. The learning rate decays to 0, so that
+the final accuracy is the trained model's and not where the last evaluation caught the wobble (at a constant 0.05,
+three real `ad-psgd` runs at 4 workers ended 2.9 points apart; decayed, four ended 1.0 apart), and evaluations are
+frequent, so that the crossing is not rounded to a coarse grid, and small, so that worker 0's evaluations take
+little of the cores the others share on this host. Beyond that, `--repeats R` runs each configuration with seeds 0
+.. R-1 on both sides and compares the medians, and for time to target the time at which the accuracy averaged over
+the seeds (evaluation by evaluation) first reaches the target.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def job(strategy: str, workers: int, epochs: float, target: float, straggler: bo
                 "eval_every": 0.05, "targets": [target], "log_every": 10},
         "data": {"name": "fashion-mnist"},
         "model": {"name": "lenet"},
+        "eval": {"samples": 2000},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "schedule": {"name": "warmup-cosine"},
         "strategy": options,
