@@ -221,6 +221,10 @@ class Job(Evaluating, Checkpointing, Ending):
         self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
         # the end of a run that survives failures: a line on which waiting for a silent process breaks nothing
         self.ending_line = PatientGroup(self.world) if point_to_point else None
+        if not self.simulated:
+            # new_group returns on one rank before its peers have connected: a process that ended right after
+            # init would break their connecting, so no process leaves init before all are connected
+            self.world.barrier()
         self.driver = StepDriver(
             self.strategy,
             self.machine,
