@@ -284,6 +284,21 @@ def test_a_slow_machine_sleeps_in_proportion_to_its_compute():
     assert machine.record()["slowdown_s"] >= 0.07
 
 
+def test_a_servers_request_time_holds_its_reading_but_not_its_waits():
+    """What a serving thread does between two answers (parsing the next request) is work on that request; the
+    time it waits for the request to arrive is not."""
+    from fast.comm.waiting import waiting
+
+    machine = EmulatedMachine(MachinePlan(rank=4))
+    for _ in range(3):
+        with waiting():
+            time.sleep(0.05)  # the next request is on its way
+        time.sleep(0.01)  # reading it
+        with machine.serving():
+            time.sleep(0.01)  # answering it
+    assert 0.015 <= machine.request_s < 0.045  # the first request's reading came before any answer: not timed
+
+
 def test_machine_plan_comes_from_compute_and_faults():
     config = load_config(
         None,

@@ -75,6 +75,7 @@ class EmulatedMachine:
         self._spread_steps, self._spread_mean, self._spread_m2 = 0, 0.0, 0.0
         self._requests, self._request_s = 0, 0.0
         self._requests_lock = threading.Lock()  # a server's lines answer in threads of their own
+        self._served = threading.local()  # per serving thread: (time, waited_s) when it last answered
         self.slowdown_s = 0.0
         self.pauses: list[list[float]] = []
         self.paused_s = 0.0
@@ -114,11 +115,14 @@ class EmulatedMachine:
 
     @contextmanager
     def serving(self) -> Iterator[None]:
-        """A server's work on one request, which takes the time it takes: timed (all but its communication waits)
-        for the summary."""
-        started, waited = timing.now(), waited_s()
+        """A server's work on one request, which takes the time it takes: timed for the summary as all that its
+        serving thread did since its previous request was answered (reading this one included), but wait on
+        communication."""
+        started, waited = getattr(self._served, "mark", None) or (timing.now(), waited_s())
         yield
-        self._count_request((timing.now() - started) - (waited_s() - waited))
+        ended, waited_by_then = timing.now(), waited_s()
+        self._served.mark = (ended, waited_by_then)
+        self._count_request((ended - started) - (waited_by_then - waited))
 
     def _count_request(self, seconds: float) -> None:
         with self._requests_lock:
