@@ -149,7 +149,8 @@ def compare(strategy: str, workers: int, epochs: float, target: float, unslowed:
            "target_ratio": ratio(simulated["time_to_target_s"], real["time_to_target_s"]),
            "accuracy_points": 100 * (simulated["accuracy"] - real["accuracy"]),
            "real_target_range": spread_of([r["time_to_target_s"] for r, _ in pairs]),
-           "sim_target_range": spread_of([s["time_to_target_s"] for _, s in pairs])}  # fmt: skip
+           "sim_target_range": spread_of([s["time_to_target_s"] for _, s in pairs]),
+           "seeds": [{"real": r, "simulated": s} for r, s in pairs]}  # fmt: skip
     row["met"] = (
         row["step_ratio"] is not None
         and abs(row["step_ratio"] - 1) <= TIME_TOLERANCE
@@ -195,7 +196,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=1, help="seeds per configuration (medians compared)")
     parser.add_argument("--no-straggler", action="store_true", help="leave out the straggler runs")
-    parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--out", help="write the rows as JSON here (with each seed's figures and curve)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fast-sim-vs-real-") as folder:
