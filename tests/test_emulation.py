@@ -10,6 +10,7 @@ import torch
 
 from fast.assemble import load_config, world_size
 from fast.comm import MessageLost
+from fast.comm.waiting import waiting
 from fast.emulation.compute import CRASH_EXIT_CODE, EmulatedMachine, MachinePlan
 from fast.emulation.deployment import link_table, machine_for
 from fast.emulation.links import EmulatedLink, LinkTable, Outage
@@ -287,8 +288,6 @@ def test_a_slow_machine_sleeps_in_proportion_to_its_compute():
 def test_a_servers_request_time_holds_its_reading_but_not_its_waits():
     """What a serving thread does between two answers (parsing the next request) is work on that request; the
     time it waits for the request to arrive is not."""
-    from fast.comm.waiting import waiting
-
     machine = EmulatedMachine(MachinePlan(rank=4))
     for _ in range(3):
         with waiting():
