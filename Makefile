@@ -37,6 +37,7 @@ test: setup data
 bench: setup data  # about 70 minutes on 2 cores; each script prints its ratios and whether its target is met
 	$(PY) bench/sync_vs_ddp.py
 	$(PY) bench/sync_cpu.py
+	$(PY) bench/shared_sum.py
 	$(PY) bench/costmodel.py
 	$(PY) bench/edge.py
 	$(PY) bench/async_momentum.py

@@ -7,7 +7,10 @@ For each model and worker count, three sides train the same model (fast.jobs.mod
 (Fashion-MNIST if installed, else mnist5k; iid partition), with the same batch per worker, optimizer
 (SGD lr 0.05, momentum 0.9), number of steps and torch threads per process (cores // workers):
 
-- `sync`: `fast.train(strategy.name="sync")`, FAST's bucketed all-reduce overlapped with backward;
+- `sync`: `fast.train(strategy.name="sync")`, FAST's bucketed all-reduce overlapped with backward, as a user
+  gets it: with every worker on this machine's CPU, the buckets are summed through shared memory;
+- `sync-gloo`: the same with `strategy.shared_memory = false`, the buckets summed by gloo's all-reduce as DDP's
+  are (FAST's bucketing against DDP's C++ reducer on one transport);
 - `ddp`:  the same step loop as FAST's worker under torch.nn.parallel.DistributedDataParallel (its
   defaults), started by FAST's launcher on a gloo group made by fast.comm.bootstrap;
 - `none`: `fast.train(strategy.name="none")`, no communication at all: the upper bound.
@@ -41,7 +44,7 @@ from fast.jobs.datasets import FASHION_MNIST_DEBIAN_DIR, load_dataset, partition
 from fast.jobs.models import build_model
 from fast.runtime.launch import launch
 
-SIDES = ("sync", "ddp", "none")
+SIDES = ("sync", "sync-gloo", "ddp", "none")
 BATCH = 64
 LR, MOMENTUM = 0.05, 0.9
 SEED = 0
@@ -120,7 +123,8 @@ def samples_per_s(side: str, model_name: str, data_name: str, workers: int, step
         optimizer__name="sgd",
         optimizer__lr=LR,
         optimizer__momentum=MOMENTUM,
-        strategy__name=side,
+        strategy__name="sync" if side == "sync-gloo" else side,
+        **({"strategy__shared_memory": side == "sync"} if side.startswith("sync") else {}),
     )
     assert summary["steps_per_worker"] == steps, summary["steps_per_worker"]
     return float(summary["samples_per_s"])
@@ -153,6 +157,7 @@ def bench(models: list[str], workers_list: list[int], rounds: int, steps: int, o
                     "samples_per_s": runs,
                     "median": median,
                     "sync_vs_ddp": median["sync"] / median["ddp"],
+                    "sync_gloo_vs_ddp": median["sync-gloo"] / median["ddp"],
                     "sync_vs_none": median["sync"] / median["none"],
                     "load_average": os.getloadavg()[0],
                 }
@@ -161,18 +166,20 @@ def bench(models: list[str], workers_list: list[int], rounds: int, steps: int, o
 
 
 def print_table(rows: list[dict]) -> bool:
-    """The table of medians; True when sync/ddp >= 1.0 everywhere (the target on CPU; sync/none >= 0.9 is the
-    issue's target on a GPU, where an idle device can hide communication, and is reported beside it)."""
-    print(f"\n{'model':6} {'workers':>7} {'sync/s':>9} {'ddp/s':>9} {'none/s':>9} {'sync/ddp':>9} {'sync/none':>10} "
-          f"{'sync/ddp by round (min-max)':>28}")  # fmt: skip
+    """The table of medians (gloo: `sync-gloo`); True when sync/ddp >= 1.0 everywhere (the target on CPU;
+    sync/none >= 0.9 is the issue's target on a GPU, where an idle device can hide communication, and is reported
+    beside it)."""
+    print(f"\n{'model':6} {'workers':>7} {'sync/s':>9} {'gloo/s':>9} {'ddp/s':>9} {'none/s':>9} {'sync/ddp':>9} "
+          f"{'gloo/ddp':>9} {'sync/none':>10} {'sync/ddp by round (min-max)':>28}")  # fmt: skip
     for row in rows:
         m = row["median"]
         paired = [s / d for s, d in zip(row["samples_per_s"]["sync"], row["samples_per_s"]["ddp"], strict=True)]
         spread = f"{min(paired):.3f}-{max(paired):.3f}"
         mark = "" if row["sync_vs_ddp"] >= TARGET_VS_DDP else "  below DDP"
         print(
-            f"{row['model']:6} {row['workers']:>7} {m['sync']:>9.0f} {m['ddp']:>9.0f} {m['none']:>9.0f} "
-            f"{row['sync_vs_ddp']:>9.3f} {row['sync_vs_none']:>10.3f} {spread:>28}{mark}"
+            f"{row['model']:6} {row['workers']:>7} {m['sync']:>9.0f} {m['sync-gloo']:>9.0f} {m['ddp']:>9.0f} "
+            f"{m['none']:>9.0f} {row['sync_vs_ddp']:>9.3f} {row['sync_gloo_vs_ddp']:>9.3f} "
+            f"{row['sync_vs_none']:>10.3f} {spread:>28}{mark}"
         )
     vs_ddp = sum(1 for r in rows if r["sync_vs_ddp"] >= TARGET_VS_DDP)
     vs_none = sum(1 for r in rows if r["sync_vs_none"] >= TARGET_VS_NONE)

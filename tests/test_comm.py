@@ -1,12 +1,16 @@
 """comm over real processes: results, exact byte counts, deadlines that name the operation and the peer."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from fast.comm import Comm
-from fast.errors import CommTimeout
+from fast.comm.shared_memory import SharedMemorySum, sum_buffer
+from fast.errors import CommError, CommTimeout
 from fast.runtime.launch import WorkerFailed
 from tests.distributed import run_distributed
 
@@ -82,5 +86,67 @@ def _silent_peer(comm: Comm) -> None:
 def test_a_silent_peer_becomes_a_clear_error_within_the_deadline(no_orphans):
     with pytest.raises(WorkerFailed, match=r"worker 0 failed: after .*recv with worker 1 passed its 2s deadline") as e:
         run_distributed(_silent_peer, 2, deadline_s=2.0)
+    waited = float(str(e.value).split("after ")[1].split("s:")[0])
+    assert 2.0 <= waited < 2.0 + 3.0
+
+
+def _sums(comm: Comm, shared_memory: bool) -> dict:
+    summed = sum_buffer(comm, 9, shared_memory)
+    before = comm.counter.snapshot()["bytes_sent"]  # making the buffer is set-up, not traffic
+    results = []
+    for round_ in range(3):  # the buffer is summed again and again, each round from new values
+        summed.tensor.copy_(torch.arange(9.0) * (comm.rank + 1) + round_)
+        summed.start().wait()
+        results.append(summed.tensor.tolist())
+    counter = comm.counter.snapshot()
+    return {"transport": summed.transport, "results": results, "before": before, "counter": counter}
+
+
+@pytest.mark.parametrize(("shared_memory", "transport"), [(True, "shared memory"), (False, "backend")])
+def test_a_sum_buffer_sums_in_place_round_after_round_and_counts_the_rings_bytes(shared_memory, transport):
+    out = run_distributed(_sums, 3, shared_memory)
+    for rank, got in out.items():
+        assert got["transport"] == transport
+        assert got["before"] == 0
+        for round_, values in enumerate(got["results"]):
+            assert values == [(1 + 2 + 3) * i + 3 * round_ for i in range(9)], (rank, round_)
+        # the ring moves 2(N-1)/N of the 9 floats a round, 12 each way, and so does shared memory: its chunk of
+        # each peer's values in, each peer's chunk of the sum in, and the same out
+        assert got["counter"]["bytes_sent"] == got["counter"]["bytes_received"] == 3 * 12 * 4
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="finds dead peers through /proc (Linux)")
+def test_a_shared_memory_sum_whose_peer_is_gone_fails_at_once_naming_it(tmp_path):
+    # worker 1 of this sum is a process that has exited; worker 0 is this one
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path = tmp_path / "sum"
+    path.write_bytes(bytes(16 * 2 + 4 * 10 * 3))
+    storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=path.stat().st_size)
+    comm = Comm(ranks=[0, 1], rank=0, world_size=2, deadline_s=60.0)
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    summed = SharedMemorySum(comm, 10, storage, [(os.getpid(), namespace), (gone.pid, namespace)])
+    start = time.perf_counter()
+    with pytest.raises(CommError, match=r"all_reduce with the group \[0, 1\] failed: worker 1's process is gone"):
+        summed.start().wait()
+    assert time.perf_counter() - start < 5.0  # not the 60 s deadline
+
+
+def _peer_silent_before_summing(comm: Comm) -> None:
+    summed = sum_buffer(comm, 1000)
+    if comm.rank == 1:
+        time.sleep(600)  # alive, never sums
+    start = time.perf_counter()
+    try:
+        summed.start().wait()
+    except CommTimeout as e:
+        raise CommTimeout(f"after {time.perf_counter() - start:.2f}s: {e}") from None
+
+
+def test_a_shared_memory_sum_with_a_silent_peer_ends_at_its_deadline(no_orphans):
+    with pytest.raises(
+        WorkerFailed, match=r"worker 0 failed: after .*all_reduce with the group \[0, 1\] passed its 2s"
+    ) as e:
+        run_distributed(_peer_silent_before_summing, 2, deadline_s=2.0)
     waited = float(str(e.value).split("after ")[1].split("s:")[0])
     assert 2.0 <= waited < 2.0 + 3.0

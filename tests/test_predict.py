@@ -8,7 +8,7 @@ from fast.codecs import build_codec
 from fast.jobs.datasets import load_dataset
 from fast.jobs.models import build_model
 from fast.perfmodel import Link
-from fast.pricing import LOOPBACK, effective_compute_s, expected_maximum_factor
+from fast.pricing import LOOPBACK, SHARED_MEMORY, effective_compute_s, expected_maximum_factor
 from fast.tools.cli import main
 from fast.tools.predict import (
     config_for_prediction,
@@ -70,9 +70,13 @@ def test_a_codec_shrinks_the_message_to_its_frames(digits):
     assert p.message_bytes < MLP_BYTES / 20
 
 
-def test_native_runs_use_the_loopback_link_and_unpriced_strategies_say_why(digits):
+def test_native_runs_use_the_loopback_link_or_shared_memory_and_unpriced_strategies_say_why(digits):
     native = {k: v for k, v in BASE.items() if k != "network"}
-    assert predict(load_config(native), dataset=digits, compute_s=0.01).link == LOOPBACK
+    assert predict(load_config(native), dataset=digits, compute_s=0.01).link == SHARED_MEMORY  # sync on the CPU
+    for overrides in ({"strategy__shared_memory": False}, {"strategy__hierarchical": 2}, {"codec__name": "fp16"}):
+        assert predict(load_config(native, **overrides), dataset=digits, compute_s=0.01).link == LOOPBACK, overrides
+    gossip = load_config(native, strategy__name="gossip")
+    assert predict(gossip, dataset=digits, compute_s=0.01).link == LOOPBACK
     p = predict(_config(strategy__name="hogwild"), dataset=digits, compute_s=0.01)
     assert p.cost is None and "hogwild" in p.problem
 

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 import fast
 from fast.assemble import load_config
 from fast.comm import Comm
+from fast.comm.shared_memory import SHARED_DIR
 from fast.errors import ConfigError
 from fast.jobs.models import build_model
 from fast.strategies import StrategyContext, build_strategy, strategy_class, strategy_options
 from fast.strategies.async_ps import compensated_gradient, shard_bounds
 from fast.strategies.base import ModelLayout
-from fast.strategies.hogwild import SHARED_DIR
 from tests.distributed import run_distributed
 
 STEPS, BATCH, LR = 6, 16, 0.1

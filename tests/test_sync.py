@@ -20,7 +20,9 @@ def _batches(workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _train(comm: Comm | None, workers: int, momentum: float, hierarchical: int = 0) -> torch.Tensor:
+def _train(
+    comm: Comm | None, workers: int, momentum: float, hierarchical: int = 0, shared_memory: bool = True
+) -> torch.Tensor:
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
@@ -28,7 +30,13 @@ def _train(comm: Comm | None, workers: int, momentum: float, hierarchical: int =
     strategy = None
     rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
     if comm is not None:
-        config = load_config(None, run__workers=workers, strategy__hierarchical=hierarchical, strategy__bucket_mb=0.01)
+        config = load_config(
+            None,
+            run__workers=workers,
+            strategy__hierarchical=hierarchical,
+            strategy__bucket_mb=0.01,
+            strategy__shared_memory=shared_memory,
+        )
         ctx = StrategyContext(
             comm=comm,
             world=comm,
@@ -58,6 +66,7 @@ def _variants(comm: Comm) -> dict[str, torch.Tensor]:
         "sgd": _train(comm, n, 0.0),
         "momentum": _train(comm, n, 0.9),
         "hierarchical": _train(comm, n, 0.9, hierarchical=2),
+        "backend": _train(comm, n, 0.9, shared_memory=False),
     }
 
 
@@ -67,10 +76,11 @@ def test_sync_with_n_workers_equals_one_worker_with_n_times_the_batch(workers):
 
     out = run_distributed(_variants, workers)
     expected = {"sgd": _train(None, workers, 0.0), "momentum": _train(None, workers, 0.9)}
-    expected["hierarchical"] = expected["momentum"]
+    expected["hierarchical"] = expected["backend"] = expected["momentum"]
     for rank in range(workers):
         for name, reference in expected.items():
             torch.testing.assert_close(out[rank][name], reference, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+            assert torch.equal(out[rank][name], out[0][name]), f"{name}: the replicas differ"
     assert not torch.equal(expected["sgd"], expected["momentum"])
 
 

@@ -22,8 +22,10 @@ from fast.strategies import Strategy, registry, strategy_for, strategy_options, 
 from fast.strategies.peers import PeerOptions, degree
 from fast.units import parse_duration
 
-# Native links: gloo over the loopback interface of one host (order of magnitude).
+# Native links between the processes of one host (orders of magnitude): gloo over the loopback interface, and
+# the shared memory that sync's buckets are summed through on the CPU (fitted by bench/shared_sum.py)
 LOOPBACK = Link(latency_s=100e-6, bandwidth_Bps=1e9)
+SHARED_MEMORY = Link(latency_s=20e-6, bandwidth_Bps=4e9)
 
 
 def priced() -> dict[str, type[Strategy]]:
@@ -84,10 +86,22 @@ def effective_compute_s(config: Config, compute_s: float) -> float:
     return compute_s * slowest * tail + pause
 
 
+def sums_in_shared_memory(config: Config) -> bool:
+    """Whether the strategy's all-reduce goes through shared memory (its `shared_memory` option, on one host's CPU,
+    flat and uncompressed, with no [network] to emulate)."""
+    try:
+        options = strategy_options(config)
+    except ConfigError:  # not registered (yet)
+        return False
+    flat = not getattr(options, "hierarchical", 0)
+    plain = config.network is None and config.run.device == "cpu" and config.codec.name == "none"
+    return plain and flat and bool(getattr(options, "shared_memory", False))
+
+
 def links_between_workers(config: Config) -> tuple[Link, Link | None]:
     """(the slowest link between workers, the slowest link inside a site when there are sites)."""
     if config.network is None:
-        return LOOPBACK, None
+        return (SHARED_MEMORY if sums_in_shared_memory(config) else LOOPBACK), None
     table = link_table(config, config.run.workers)
     workers = range(config.run.workers)
     pairs = [(a, b) for a in workers for b in workers if a != b] or [(0, 0)]

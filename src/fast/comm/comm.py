@@ -98,6 +98,8 @@ def post(op: str, peer: str, deadline_s: float, start: Callable[..., Any], *args
 class Comm:
     """One worker's view of a communication group (the main group or a background channel)."""
 
+    shares_memory = True  # members on one machine may sum through shared memory (fast.comm.shared_memory)
+
     def __init__(
         self,
         *,

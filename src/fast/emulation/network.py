@@ -250,6 +250,8 @@ class _Rounds:
 class EmulatedComm(Comm):
     """A `Comm` whose traffic crosses the emulated links of `network` (see the module docstring)."""
 
+    shares_memory = False  # every byte crosses an emulated link
+
     def __init__(self, *, network: Network, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.device.type != "cpu":

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tempfile
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fast.comm.shared_memory import SHARED_DIR, share_path
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
-
-NAME_BYTES = 1024
-SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 def is_loopback(addr: str) -> bool:
@@ -81,13 +77,10 @@ class Hogwild(Strategy):
             self.path = SHARED_DIR / f"fast-hogwild-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             weights = self._map(workers, numel)
             torch.cat([t.detach().reshape(-1) for t in tensors], out=weights)
-        name = torch.zeros(NAME_BYTES, dtype=torch.uint8)
-        encoded = str(self.path).encode() if first else b""
-        name[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
         with self.comm.unmetered():  # the weights are in the file before anyone learns its name
-            self.comm.broadcast(name, src=self.comm.ranks[0])
+            path = share_path(self.comm, self.path if first else None)
         if not first:
-            self.path = Path(bytes(name[name != 0].tolist()).decode())
+            self.path = path
             weights = self._map(workers, numel)
         offset = 0
         for t in tensors:

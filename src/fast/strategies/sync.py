@@ -2,9 +2,11 @@
 
 Gradients are grouped into buckets in the order backward produces them (last layer first). As soon as
 every gradient of a bucket is ready, the bucket's all-reduce starts in the background while backward goes
-on with earlier layers; `after_backward` waits for the buckets and writes the averages back. With
-`hierarchical = G` a bucket is summed inside groups of G consecutive workers, all-reduced among the group
-leaders, then broadcast inside each group (Wongpanich et al. 2020 Sec. 3, Sync Solver).
+on with earlier layers; `after_backward` waits for the buckets and writes the averages back. When every
+worker of the group is on this machine's CPU, a bucket is summed through shared memory (fast.comm.shared_memory:
+no sockets, no helper threads); otherwise by the backend's all-reduce. With `hierarchical = G` a bucket is summed
+inside groups of G consecutive workers, all-reduced among the group leaders, then broadcast inside each group
+(Wongpanich et al. 2020 Sec. 3, Sync Solver).
 
 With a `[codec]`, each bucket is summed through it instead (`fast.exchange.allreduce`: an all-reduce in the
 wire dtype for fp16/bf16, two all-reduces for PowerSGD, an all-gather of frames for the others), with the
@@ -24,6 +26,7 @@ from torch import nn
 
 from fast.codecs import Codec
 from fast.comm import Comm, Handle
+from fast.comm.shared_memory import SumBuffer, sum_buffer
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.exchange.allreduce import CompressedAllReduce, PendingSum
@@ -36,6 +39,9 @@ from fast.strategies.momentum import MomentumCorrection
 class SyncOptions(StrategyOptions):
     bucket_mb: float = Field(1.0, gt=0, description="size of a gradient bucket in MB (fp32)")
     hierarchical: int = Field(0, ge=0, description="group size G for hierarchical all-reduce; 0 = flat")
+    shared_memory: bool = Field(
+        True, description="sum buckets through shared memory when every worker is on this machine's CPU"
+    )
     momentum_correction: bool | None = Field(
         None,
         description="with a codec, SGD's momentum on each worker before compression; None: all but powersgd",
@@ -51,10 +57,11 @@ class Bucket:
     parameter's `.grad` becomes a view into it (DDP's gradient_as_bucket_view), so nothing is copied back.
     """
 
-    def __init__(self, params: list[nn.Parameter], zeros: torch.Tensor) -> None:
+    def __init__(self, params: list[nn.Parameter], zeros: torch.Tensor, summed: SumBuffer | None = None) -> None:
         self.params = params
         size = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(size + 1, device=zeros.device)
+        self.summed = summed  # what sums the buffer across the workers (None: a codec does, from a copy)
+        self.buffer = summed.tensor if summed is not None else torch.zeros(size + 1, device=zeros.device)
         self.grads, self.count = self.buffer[:-1], self.buffer[-1:]
         self.zeros = zeros[:size]  # shared by all buckets; never written
         flat = torch.split(self.grads, [p.numel() for p in params])
@@ -132,8 +139,8 @@ class Sync(Strategy):
             ranks = self.comm.ranks
             self.group = self.comm.subgroups([ranks[i : i + g] for i in range(0, len(ranks), g)])
             self.leaders = self.comm.subgroups([ranks[::g]])
-        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad])
         codec = self.ctx.config.codec
+        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad], codec.name == "none")
         self.compressed: CompressedAllReduce | None = None
         self.momentum: MomentumCorrection | None = None
         if codec.name != "none":
@@ -147,7 +154,7 @@ class Sync(Strategy):
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
 
-    def _make_buckets(self, params: list[nn.Parameter]) -> list[Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], summed: bool) -> list[Bucket]:
         cap = self.options.bucket_mb * 2**20 / 4
         runs, current, size = [], [], 0
         for p in reversed(params):  # backward produces the last layers' gradients first
@@ -158,8 +165,13 @@ class Sync(Strategy):
                 current, size = [], 0
         if current:
             runs.append(current)
-        zeros = torch.zeros(max((sum(p.numel() for p in run) for run in runs), default=0), device=self.ctx.device)
-        return [Bucket(run, zeros) for run in runs]
+        sizes = [sum(p.numel() for p in run) for run in runs]
+        zeros = torch.zeros(max(sizes, default=0), device=self.ctx.device)
+        if not summed:
+            return [Bucket(run, zeros) for run in runs]
+        first_hop = self.group or self.comm
+        summers = [sum_buffer(first_hop, size + 1, self.options.shared_memory) for size in sizes]
+        return [Bucket(run, zeros, summer) for run, summer in zip(runs, summers, strict=True)]
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
         if self.accumulating:
@@ -180,8 +192,7 @@ class Sync(Strategy):
             key = f"bucket{self.buckets.index(bucket)}"
             bucket.handle = self.compressed.start(bucket.grads, key, shapes=shapes, count=bucket.count)
             return
-        first_hop = self.group or self.comm
-        bucket.handle = first_hop.all_reduce(bucket.buffer, async_op=True)
+        bucket.handle = bucket.summed.start()
 
     def before_step(self, step: int) -> None:
         self.gradients_were_bad = False
@@ -209,6 +220,10 @@ class Sync(Strategy):
     def end_of_run(self) -> None:
         if self.compressed is not None:
             self.compressed.close()
+
+    def summary(self) -> dict[str, Any]:
+        summed = {b.summed.transport for b in self.buckets if b.summed is not None}
+        return {"all_reduce": ", ".join(sorted(summed))} if summed else {}
 
     def state_dict(self) -> dict[str, Any]:
         if self.compressed is None:

@@ -8,7 +8,7 @@ Nothing is trained. The inputs of the strategy's cost model (fast.pricing) come 
   slowest worker sets the pace, so the expected maximum over workers);
 - the link: from `[network]`, the slowest link between workers (a ring or a gossip round waits for its
   slowest hop); with sites and a hierarchical all-reduce, the LAN inside sites and the WAN between them.
-  Without `[network]`, `LOOPBACK`;
+  Without `[network]`, `LOOPBACK`, or `SHARED_MEMORY` for a strategy that sums through it (`sync` on the CPU);
 - the message: the model's parameters as float32, or the size of the codec's frames when a codec is set.
 
 Variants cannot be ranked by time to accuracy before training (the epochs each needs are unknown), so
@@ -39,7 +39,7 @@ from fast.config import Config, _describe
 from fast.errors import ConfigError
 from fast.jobs.datasets import Dataset, load_dataset, partition
 from fast.perfmodel import Link, StepCost, compute_communication_ratio
-from fast.pricing import LOOPBACK, has_cost_model, links_between_workers, message_bytes, price
+from fast.pricing import LOOPBACK, SHARED_MEMORY, has_cost_model, links_between_workers, message_bytes, price
 from fast.tools.variants import variants
 from fast.units import format_bytes, format_seconds
 
@@ -252,7 +252,9 @@ def print_predictions(source: str | Path | dict[str, Any], console: Console | No
     predictions = predict_variants(source)
     console.print(prediction_table(predictions))
     for link in sorted({p.link for p in predictions}, key=lambda x: (x.latency_s, x.bandwidth_Bps)):
-        where = "native loopback" if link == LOOPBACK else "\\[network], the slowest between workers"
+        where = {LOOPBACK: "native loopback", SHARED_MEMORY: "shared memory, one machine"}.get(
+            link, "\\[network], the slowest between workers"
+        )
         console.print(
             f"link: {format_seconds(link.latency_s)} latency, {link.bandwidth_Bps * 8 / 1e6:.4g} Mbit/s ({where})"
         )
