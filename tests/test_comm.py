@@ -4,11 +4,12 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from fast.comm import Comm
+from fast.comm import Comm, shared_memory
 from fast.comm.shared_memory import SharedMemorySum, sum_buffer
 from fast.errors import CommError, CommTimeout
 from fast.runtime.launch import WorkerFailed
@@ -113,6 +114,24 @@ def test_a_sum_buffer_sums_in_place_round_after_round_and_counts_the_rings_bytes
         # the ring moves 2(N-1)/N of the 9 floats a round, 12 each way, and so does shared memory: its chunk of
         # each peer's values in, each peer's chunk of the sum in, and the same out
         assert got["counter"]["bytes_sent"] == got["counter"]["bytes_received"] == 3 * 12 * 4
+
+
+def _sum_where(comm: Comm, where: str) -> dict:
+    if where == "no /dev/shm":  # the first member has nowhere to put the file
+        shared_memory.TMPFS = Path("/nonexistent")
+    elif where == "another machine" and comm.rank == 1:  # it maps the file, but runs on another kernel
+        shared_memory._boot_id = lambda: 12345
+    summed = sum_buffer(comm, 5)
+    summed.tensor.fill_(comm.rank + 1.0)
+    summed.start().wait()
+    return {"transport": summed.transport, "sum": summed.tensor.tolist()}
+
+
+@pytest.mark.parametrize("where", ["no /dev/shm", "another machine"])
+def test_a_sum_buffer_falls_back_to_the_backend_on_every_member_when_memory_is_not_shared(where):
+    out = run_distributed(_sum_where, 2, where)
+    assert [got["transport"] for got in out.values()] == ["backend", "backend"]
+    assert [got["sum"] for got in out.values()] == [[3.0] * 5] * 2
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="finds dead peers through /proc (Linux)")

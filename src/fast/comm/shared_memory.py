@@ -155,10 +155,11 @@ def open_shared_sum(comm: Comm, numel: int) -> SharedMemorySum | None:
     path = TMPFS / f"fast-sum-{os.getpid()}-{uuid.uuid4().hex[:12]}" if first and TMPFS.is_dir() else None
     with comm.unmetered():
         if path is not None:
-            try:
+            try:  # reserved now, so that a full /dev/shm (64 MB in a default container) is a fallback, not a SIGBUS
                 with path.open("xb") as f:
-                    f.truncate(nbytes)
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
             except OSError:
+                path.unlink(missing_ok=True)
                 path = None
         path = share_path(comm, path)
         storage = None
