@@ -9,7 +9,7 @@ time beside it, with nothing else in the loop: a fixed random batch, no data loa
 
 - `sync`: the strategy built from a config and driven as FAST's worker drives it (`before_step`, backward with its
   hooks, `after_backward`, the optimizer's step), its buckets summed by gloo as DDP's are
-  (`strategy.shared_memory = false`: this bench weighs FAST's bucketing against DDP's C++ reducer on one
+  (`run.shared_memory = false`: this bench weighs FAST's bucketing against DDP's C++ reducer on one
   transport; `bench/shared_sum.py` weighs the transports);
 - `ddp`: the model under torch.nn.parallel.DistributedDataParallel (its defaults);
 - `none`: the same loop without communication: the compute both others share.
@@ -63,7 +63,7 @@ def steps_of(side: str, comm: Comm, model_name: str, steps: int) -> tuple[float,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     strategy, net = None, model
     if side == "sync":
-        config = load_config(None, run__workers=comm.size, strategy__shared_memory=False)
+        config = load_config(None, run__workers=comm.size, run__shared_memory=False)
         ctx = StrategyContext(comm=comm, world=comm, config=config, device=torch.device("cpu"), workers=comm.size,
                               rank=comm.rank, generator=torch.Generator(), steps_per_epoch=10**9)  # fmt: skip
         strategy = build_strategy(config, ctx)

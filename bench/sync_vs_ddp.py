@@ -9,7 +9,7 @@ For each model and worker count, three sides train the same model (fast.jobs.mod
 
 - `sync`: `fast.train(strategy.name="sync")`, FAST's bucketed all-reduce overlapped with backward, as a user
   gets it: with every worker on this machine's CPU, the buckets are summed through shared memory;
-- `sync-gloo`: the same with `strategy.shared_memory = false`, the buckets summed by gloo's all-reduce as DDP's
+- `sync-gloo`: the same with `run.shared_memory = false`, the buckets summed by gloo's all-reduce as DDP's
   are (FAST's bucketing against DDP's C++ reducer on one transport);
 - `ddp`:  the same step loop as FAST's worker under torch.nn.parallel.DistributedDataParallel (its
   defaults), started by FAST's launcher on a gloo group made by fast.comm.bootstrap;
@@ -124,7 +124,7 @@ def samples_per_s(side: str, model_name: str, data_name: str, workers: int, step
         optimizer__lr=LR,
         optimizer__momentum=MOMENTUM,
         strategy__name="sync" if side == "sync-gloo" else side,
-        **({"strategy__shared_memory": side == "sync"} if side.startswith("sync") else {}),
+        run__shared_memory=side != "sync-gloo",
     )
     assert summary["steps_per_worker"] == steps, summary["steps_per_worker"]
     return float(summary["samples_per_s"])

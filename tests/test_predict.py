@@ -73,10 +73,11 @@ def test_a_codec_shrinks_the_message_to_its_frames(digits):
 def test_native_runs_use_the_loopback_link_or_shared_memory_and_unpriced_strategies_say_why(digits):
     native = {k: v for k, v in BASE.items() if k != "network"}
     assert predict(load_config(native), dataset=digits, compute_s=0.01).link == SHARED_MEMORY  # sync on the CPU
-    for overrides in ({"strategy__shared_memory": False}, {"strategy__hierarchical": 2}, {"codec__name": "fp16"}):
+    for overrides in ({"run__shared_memory": False}, {"strategy__hierarchical": 2}, {"codec__name": "fp16"}):
         assert predict(load_config(native, **overrides), dataset=digits, compute_s=0.01).link == LOOPBACK, overrides
-    gossip = load_config(native, strategy__name="gossip")
-    assert predict(gossip, dataset=digits, compute_s=0.01).link == LOOPBACK
+    for strategy, link in [("local-sgd", SHARED_MEMORY), ("gossip", LOOPBACK), ("streaming-diloco", LOOPBACK)]:
+        config = load_config(native, strategy__name=strategy)
+        assert predict(config, dataset=digits, compute_s=0.01).link == link, strategy
     p = predict(_config(strategy__name="hogwild"), dataset=digits, compute_s=0.01)
     assert p.cost is None and "hogwild" in p.problem
 

@@ -35,7 +35,7 @@ def _train(
             run__workers=workers,
             strategy__hierarchical=hierarchical,
             strategy__bucket_mb=0.01,
-            strategy__shared_memory=shared_memory,
+            run__shared_memory=shared_memory,
         )
         ctx = StrategyContext(
             comm=comm,

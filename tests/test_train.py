@@ -70,6 +70,20 @@ def test_bytes_sent_are_what_ring_all_reduce_moves(digits_run):
     assert summary["bytes_sent"] == 2 * steps * (params + 1) * 4
 
 
+@pytest.mark.parametrize("strategy", ["sync", "local-sgd"])
+def test_shared_memory_and_gloo_train_to_the_same_weights(tmp_path, strategy):
+    job = {**DIGITS, "run__epochs": 1, "strategy__name": strategy}
+    shared = fast.train(None, out=str(tmp_path / "shared"), **job)
+    gloo = fast.train(None, out=str(tmp_path / "gloo"), run__shared_memory=False, **job)
+    assert shared["all_reduce"] == "shared memory"
+    assert gloo.get("all_reduce", "backend") == "backend"  # sync names it; local-sgd's job kept no sums
+    # two workers: a + b either way, so every replica ends with the same bits
+    assert shared["final_test_loss"] == gloo["final_test_loss"]
+    assert shared["bytes_sent"] == gloo["bytes_sent"]
+    first, second = (torch.load(tmp_path / side / "model.pt", weights_only=True) for side in ("shared", "gloo"))
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
 def _fail_on_rank_1(model, x, y):
     if os.environ["RANK"] == "1":
         raise RuntimeError("boom in the user step")

@@ -87,15 +87,13 @@ def effective_compute_s(config: Config, compute_s: float) -> float:
 
 
 def sums_in_shared_memory(config: Config) -> bool:
-    """Whether the strategy's all-reduce goes through shared memory (its `shared_memory` option, on one host's CPU,
-    flat and uncompressed, with no [network] to emulate)."""
-    try:
-        options = strategy_options(config)
-    except ConfigError:  # not registered (yet)
+    """Whether the strategy's all-reduces go through shared memory: `run.shared_memory` on one host's CPU with no
+    [network] to emulate, a strategy that reduces through it, flat and uncompressed."""
+    cls = _strategy(config)
+    if cls is None or not cls.reduces_in_shared_memory or not config.run.shared_memory:
         return False
-    flat = not getattr(options, "hierarchical", 0)
-    plain = config.network is None and config.run.device == "cpu" and config.codec.name == "none"
-    return plain and flat and bool(getattr(options, "shared_memory", False))
+    flat = not getattr(strategy_options(config), "hierarchical", 0)
+    return flat and config.network is None and config.run.device == "cpu" and config.codec.name == "none"
 
 
 def links_between_workers(config: Config) -> tuple[Link, Link | None]:

@@ -119,6 +119,8 @@ class Comm:
         self.ranks = ranks if ranks is not None else list(range(self._world_size))
         self.rank = dist.get_rank() if rank is None else rank
         self._channels: list[Comm] = []
+        # set by the job on its own groups when they share one machine's memory (fast.comm.shared_memory.LocalSums)
+        self.local_sums: Any = None
 
     # -- who ---------------------------------------------------------------------------------------------
     @property
@@ -223,6 +225,8 @@ class Comm:
         """Sum (or average, op="mean") `tensor` in place across the group."""
         if op not in ("sum", "mean", "max", "min"):
             raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
+        if self.local_sums is not None and not async_op and op in ("sum", "mean") and self.local_sums.takes(tensor):
+            return self.local_sums.all_reduce(tensor, op)
         reduce_op = {
             "sum": dist.ReduceOp.SUM,
             "mean": dist.ReduceOp.SUM,

@@ -37,6 +37,7 @@ READY, SUMMED = 0, 1  # the two progress counters of a member: the round whose v
 SPINS = 200  # yields before a wait starts to nap: a peer that is nearly there costs no sleep
 NAP_S, LONGEST_NAP_S = 20e-6, 1e-3
 PEER_CHECK_S = 0.2  # how often a long wait looks whether the peers it waits for still exist
+MAX_SIZES = 16  # tensor sizes a group's LocalSums keeps a shared sum for
 _fence = threading.Lock()  # taking and releasing a lock orders memory: values are written before the counter
 
 
@@ -118,6 +119,34 @@ class SharedMemorySum:
 
 
 SumBuffer = SharedMemorySum | BackendSum
+
+
+class LocalSums:
+    """A group's blocking all-reduces of float32 CPU tensors, each through a shared-memory sum kept for its size.
+
+    The job sets one on its own groups (`Comm.local_sums`) when `run.shared_memory` holds and nothing is emulated.
+    The sum for a size is made at the group's first all-reduce of that size, at the same point on every member, as
+    collectives are; after `MAX_SIZES` sizes, new ones go through the backend. One thread per group at a time,
+    as for the backend's collectives."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.sums: dict[int, SumBuffer] = {}
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        known = tensor.numel() in self.sums or len(self.sums) < MAX_SIZES
+        worth = self.comm.size > 1 and tensor.numel() > 0
+        return worth and known and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Sum (op="sum") or average (op="mean") `tensor` in place across the group."""
+        summed = self.sums.get(tensor.numel())
+        if summed is None:
+            summed = self.sums[tensor.numel()] = sum_buffer(self.comm, tensor.numel())
+        summed.tensor.copy_(tensor.reshape(-1))
+        summed.start().wait()
+        tensor.copy_(summed.tensor.view_as(tensor))
+        return tensor.div_(self.comm.size) if op == "mean" else tensor
 
 
 def sum_buffer(comm: Comm, numel: int, shared_memory: bool = True) -> SumBuffer:

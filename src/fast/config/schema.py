@@ -40,6 +40,10 @@ class RunConfig(Section):
     batch_size: int = Field(64, ge=1)
     eval_every: float = Field(0.5, ge=0, description="epochs between test evaluations; 0 = only at the end")
     device: Literal["cpu", "cuda"] = "cpu"
+    shared_memory: bool = Field(
+        True,
+        description="on one machine's CPU (no [network]), all-reduces go through shared memory instead of gloo",
+    )
     targets: list[float | str] = Field(
         default_factory=lambda: [0.80, 0.85],
         description='test accuracies, or "metric >= value" / "metric <= value", timed in time_to_target_s',

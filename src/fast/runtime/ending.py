@@ -179,6 +179,12 @@ class Ending:
         else:
             self._gather_and_write(None)
 
+    def _reduced_through(self) -> dict[str, str]:
+        """What the job's own groups summed their all-reduces through, when they kept sums (run.shared_memory)."""
+        groups = [c for c in {id(c): c for c in (self.world, self.comm)}.values() if c.local_sums is not None]
+        made = {summed.transport for comm in groups for summed in comm.local_sums.sums.values()}
+        return {"all_reduce": ", ".join(sorted(made))} if made else {}
+
     def _own_figures(self) -> dict[str, Any]:
         """What this process contributes to the summary."""
         compensation = self.strategy.compensation.figures() if self.strategy.compensation is not None else {}
@@ -188,7 +194,7 @@ class Ending:
             "records": self.records.records,
             "staleness": self.strategy.staleness,
             "counter": self.world.counter.snapshot(),
-            "strategy": {**self.strategy.summary(), **compensation},
+            "strategy": {**self._reduced_through(), **self.strategy.summary(), **compensation},
             "steps": 0 if self.is_server else self.step,
             "skipped_steps": self.skipped_steps,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step

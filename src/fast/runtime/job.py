@@ -35,6 +35,7 @@ from fast.assemble import load_config, world_size
 from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
 from fast.comm.patience import PatientGroup
+from fast.comm.shared_memory import LocalSums
 from fast.config import Config
 from fast.emulation.deployment import comm_maker, machine_for, network_for
 from fast.emulation.simulated_comm import world as simulated_world
@@ -201,6 +202,9 @@ class Job(Evaluating, Checkpointing, Ending):
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
+        if run.shared_memory and not self.simulated and config.network is None and self.device.type == "cpu":
+            for comm in {id(c): c for c in (self.world, self.comm)}.values():
+                comm.local_sums = LocalSums(comm)  # made lazily: a sum's memory at the first all-reduce of its size
         self.records = Records(run_dir, self.rank, run.tensorboard)
         # emulated (or simulated) slowdown, stragglers, crash
         self.machine = machine_for(config, self.rank, self.records.file, simulated=self.simulated)

@@ -61,6 +61,9 @@ class Strategy:
     cost_options: ClassVar[frozenset[str]] = frozenset()
     cost_defaults: ClassVar[dict[str, Any]] = {}
     waits_every_step: ClassVar[bool] = False
+    # its exchanges are blocking all-reduces or sync's buckets, which a run on one machine's CPU sums through
+    # shared memory (`run.shared_memory`): priced on that link rather than gloo's loopback
+    reduces_in_shared_memory: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -59,6 +59,7 @@ class StreamingDiLoCo(PeriodicAveraging):
     Options = StreamingDiLoCoOptions
     cost_options = PeriodicAveraging.cost_options | {"fragments", "delay"}
     overlapped = True
+    reduces_in_shared_memory = False  # its fragments' all-reduces run in the background, through the backend
 
     @classmethod
     def check(cls, options: StreamingDiLoCoOptions, config: Config) -> None:

@@ -39,9 +39,6 @@ from fast.strategies.momentum import MomentumCorrection
 class SyncOptions(StrategyOptions):
     bucket_mb: float = Field(1.0, gt=0, description="size of a gradient bucket in MB (fp32)")
     hierarchical: int = Field(0, ge=0, description="group size G for hierarchical all-reduce; 0 = flat")
-    shared_memory: bool = Field(
-        True, description="sum buckets through shared memory when every worker is on this machine's CPU"
-    )
     momentum_correction: bool | None = Field(
         None,
         description="with a codec, SGD's momentum on each worker before compression; None: all but powersgd",
@@ -101,6 +98,7 @@ class Sync(Strategy):
     checks_gradients = True  # each bucket, as it leaves
     cost_options = COLLECTIVE_OPTIONS | {"overlap"}
     waits_every_step = True
+    reduces_in_shared_memory = True
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
@@ -170,7 +168,7 @@ class Sync(Strategy):
         if not summed:
             return [Bucket(run, zeros) for run in runs]
         first_hop = self.group or self.comm
-        summers = [sum_buffer(first_hop, size + 1, self.options.shared_memory) for size in sizes]
+        summers = [sum_buffer(first_hop, size + 1, self.ctx.config.run.shared_memory) for size in sizes]
         return [Bucket(run, zeros, summer) for run, summer in zip(runs, summers, strict=True)]
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
