@@ -25,7 +25,7 @@ from fast.units import parse_duration
 # Native links between the processes of one host (orders of magnitude): gloo over the loopback interface, and
 # the shared memory that sync's buckets are summed through on the CPU (fitted by bench/shared_sum.py)
 LOOPBACK = Link(latency_s=100e-6, bandwidth_Bps=1e9)
-SHARED_MEMORY = Link(latency_s=20e-6, bandwidth_Bps=4e9)
+SHARED_MEMORY = Link(latency_s=12e-6, bandwidth_Bps=5e9)
 
 
 def priced() -> dict[str, type[Strategy]]:

@@ -181,7 +181,7 @@ class Ending:
 
     def _reduced_through(self) -> dict[str, str]:
         """What the job's own groups summed their all-reduces through, when they kept sums (run.shared_memory)."""
-        groups = [c for c in {id(c): c for c in (self.world, self.comm)}.values() if c.local_sums is not None]
+        groups = [comm for comm in self._own_groups() if comm.local_sums is not None]
         made = {summed.transport for comm in groups for summed in comm.local_sums.sums.values()}
         return {"all_reduce": ", ".join(sorted(made))} if made else {}
 

@@ -203,7 +203,7 @@ class Job(Evaluating, Checkpointing, Ending):
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
         if run.shared_memory and not self.simulated and config.network is None and self.device.type == "cpu":
-            for comm in {id(c): c for c in (self.world, self.comm)}.values():
+            for comm in self._own_groups():
                 comm.local_sums = LocalSums(comm)  # made lazily: a sum's memory at the first all-reduce of its size
         self.records = Records(run_dir, self.rank, run.tensorboard)
         # emulated (or simulated) slowdown, stragglers, crash
@@ -267,6 +267,10 @@ class Job(Evaluating, Checkpointing, Ending):
         self.final_eval_seconds: list[float] = []
 
     # -- who -------------------------------------------------------------------------------------------------------
+    def _own_groups(self) -> list[Comm]:
+        """The world and, when it is another, this process's group in it (workers or servers)."""
+        return [self.world] if self.comm is self.world else [self.world, self.comm]
+
     @property
     def step(self) -> int:
         """Optimizer steps this worker has done."""
