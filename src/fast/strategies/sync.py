@@ -3,10 +3,11 @@
 Gradients are grouped into buckets in the order backward produces them (last layer first). As soon as
 every gradient of a bucket is ready, the bucket's all-reduce starts in the background while backward goes
 on with earlier layers; `after_backward` waits for the buckets and writes the averages back. When every
-worker of the group is on this machine's CPU, a bucket is summed through shared memory (fast.comm.shared_memory:
-no sockets, no helper threads); otherwise by the backend's all-reduce. With `hierarchical = G` a bucket is summed
-inside groups of G consecutive workers, all-reduced among the group leaders, then broadcast inside each group
-(Wongpanich et al. 2020 Sec. 3, Sync Solver).
+worker of the group is on this machine's CPU (`run.shared_memory`), a bucket is summed through shared memory
+instead (fast.comm.shared_memory: no sockets, no helper threads): its gradients are written straight into the
+worker's slot, published as soon as the bucket is full, and summed when the worker waits for it. With
+`hierarchical = G` a bucket is summed inside groups of G consecutive workers, all-reduced among the group
+leaders, then broadcast inside each group (Wongpanich et al. 2020 Sec. 3, Sync Solver).
 
 With a `[codec]`, each bucket is summed through it instead (`fast.exchange.allreduce`: an all-reduce in the
 wire dtype for fp16/bf16, two all-reduces for PowerSGD, an all-gather of frames for the others), with the

@@ -23,6 +23,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         "wall_time_s",
         "samples_per_s",
         "bytes_sent",
+        "all_reduce",
         "compression_ratio",
         "mean_staleness",
         "replica_divergence",
