@@ -116,6 +116,26 @@ def test_a_sum_buffer_sums_in_place_round_after_round_and_counts_the_rings_bytes
         assert got["counter"]["bytes_sent"] == got["counter"]["bytes_received"] == 3 * 12 * 4
 
 
+def _local_sums(comm: Comm) -> dict:
+    comm.local_sums = shared_memory.LocalSums(comm)
+    mean = torch.full((2, 3), float(comm.rank))
+    comm.all_reduce(mean, op="mean")
+    counts = torch.tensor([comm.rank + 1])  # not float32: the backend's
+    comm.all_reduce(counts)
+    sizes = [comm.all_reduce(torch.ones(n)).tolist() for n in range(1, shared_memory.MAX_SIZES + 3)]
+    return {"mean": mean.tolist(), "counts": counts.tolist(), "sizes": sizes,
+            "transports": [summed.transport for summed in comm.local_sums.sums.values()]}  # fmt: skip
+
+
+def test_a_groups_blocking_all_reduces_go_through_shared_memory_for_its_first_sizes():
+    out = run_distributed(_local_sums, 2)
+    for got in out.values():
+        assert got["mean"] == [[0.5] * 3] * 2 and got["counts"] == [3]
+        assert got["sizes"] == [[2.0] * n for n in range(1, shared_memory.MAX_SIZES + 3)]
+        # (2, 3) is 6 floats; with sizes 1 to 16 that makes the 16 kept, and sizes 17 and 18 go through gloo
+        assert got["transports"] == ["shared memory"] * shared_memory.MAX_SIZES
+
+
 def _sum_where(comm: Comm, where: str) -> dict:
     if where == "no /dev/shm":  # the first member has nowhere to put the file
         shared_memory.TMPFS = Path("/nonexistent")
