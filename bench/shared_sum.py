@@ -21,12 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from fast.comm import Comm
-from fast.comm import bootstrap as engine
 from fast.comm.shared_memory import sum_buffer
-from fast.runtime.launch import launch
+from fast.runtime.launch import launch_group
 
 TRANSPORTS = {"shared memory": True, "gloo": False}
 
@@ -48,18 +45,8 @@ def timed_sums(comm: Comm, sizes: list[int], calls: int, shared: bool) -> dict[i
     return seconds
 
 
-def entry(sizes: list[int], calls: int, shared: bool) -> dict[int, float]:
-    torch.set_num_threads(1)
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    comm = engine.start(rank, size, "127.0.0.1", int(os.environ["MASTER_PORT"]), torch.device("cpu"), 60.0)
-    try:
-        return timed_sums(comm, sizes, calls, shared)
-    finally:
-        engine.stop()
-
-
 def measure(workers: int, sizes: list[int], calls: int, shared: bool) -> dict[int, float]:
-    per_rank = launch(entry, workers, (sizes, calls, shared), port=engine.free_port(), threads=1)
+    per_rank = launch_group(timed_sums, workers, sizes, calls, shared)
     return {size: max(r[size] for r in per_rank.values()) for size in sizes}
 
 

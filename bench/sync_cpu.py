@@ -32,9 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fast.assemble import load_config
 from fast.comm import Comm
-from fast.comm import bootstrap as engine
 from fast.jobs.models import build_model
-from fast.runtime.launch import launch
+from fast.runtime.launch import launch_group
 from fast.strategies import StrategyContext, build_strategy
 
 SIDES = ("sync", "ddp", "none")
@@ -46,18 +45,8 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def worker(side: str, model_name: str, steps: int) -> tuple[float, float]:
+def steps_of(comm: Comm, side: str, model_name: str, steps: int) -> tuple[float, float]:
     """One process: (CPU seconds, wall seconds) per step after a warm-up."""
-    torch.set_num_threads(1)
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    comm = engine.start(rank, size, "127.0.0.1", int(os.environ["MASTER_PORT"]), torch.device("cpu"), 60.0)
-    try:
-        return steps_of(side, comm, model_name, steps)
-    finally:
-        engine.stop()
-
-
-def steps_of(side: str, comm: Comm, model_name: str, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = build_model(model_name, (1, 28, 28), 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -88,7 +77,7 @@ def steps_of(side: str, comm: Comm, model_name: str, steps: int) -> tuple[float,
 
 def measure(side: str, model_name: str, workers: int, steps: int) -> tuple[float, float]:
     """Mean over the workers of (CPU, wall) seconds per step."""
-    out = launch(worker, workers, (side, model_name, steps), port=engine.free_port(), threads=1)
+    out = launch_group(steps_of, workers, side, model_name, steps)
     return statistics.fmean(c for c, _ in out.values()), statistics.fmean(w for _, w in out.values())
 
 

@@ -8,11 +8,9 @@ import pytest
 import torch
 
 import fast
-from fast.comm import bootstrap as engine
 from fast.comm.messages import Listener, Mailbox
 from fast.errors import CommTimeout
-from fast.runtime.launch import WorkerFailed, launch
-from tests.distributed import _entry
+from fast.runtime.launch import WorkerFailed, launch_group
 
 JOB = {
     "data__name": "digits",
@@ -143,7 +141,7 @@ def _silent_and_dead_peers(comm):
 
 
 def test_a_silent_peer_is_given_up_at_the_deadline_a_dead_one_at_once_and_the_channel_still_works(no_orphans):
-    out = launch(_entry, 4, (_silent_and_dead_peers, DEADLINE_S, ()), port=engine.free_port(), survivable=True)[0]
+    out = launch_group(_silent_and_dead_peers, 4, deadline_s=DEADLINE_S, survivable=True)[0]
     assert DEADLINE_S <= out["gave_up_after"] < 2 * DEADLINE_S
     assert out["heard"] == [1]
     assert sorted(out["why"]) == [2, 3]

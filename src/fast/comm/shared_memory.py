@@ -66,7 +66,8 @@ class SharedMemorySum:
         self.slots = torch.empty(0, dtype=torch.float32).set_(storage, 4 * n, (n + 1, numel))
         self.tensor, self.sum = self.slots[me], self.slots[n]
         self.bounds = [(i * numel // n, (i + 1) * numel // n) for i in range(n + 1)]
-        self.chunk = slice(*self.bounds[me])
+        chunk = slice(*self.bounds[me])
+        self.chunk_of_each, self.chunk_of_sum = self.slots[:n, chunk], self.sum[chunk]  # what this member sums
         self.round = 0
         sizes = [(hi - lo) * 4 for lo, hi in self.bounds[:n]]
         self.bytes_with = {rank: sizes[i] + sizes[me] for i, rank in enumerate(comm.ranks) if i != me}
@@ -85,7 +86,7 @@ class SharedMemorySum:
         """Sum this member's chunk once every member's values are in, then take the whole sum once it is done."""
         self._wait_for(READY, round_, deadline)
         with _fence:
-            torch.sum(self.slots[: self.comm.size, self.chunk], dim=0, out=self.sum[self.chunk])
+            torch.sum(self.chunk_of_each, dim=0, out=self.chunk_of_sum)
             self.progress[SUMMED, self.me] = round_
         self._wait_for(SUMMED, round_, deadline)
         with _fence:

@@ -202,7 +202,7 @@ class Job(Evaluating, Checkpointing, Ending):
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
-        if run.shared_memory and not self.simulated and config.network is None and self.device.type == "cpu":
+        if run.shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
             for comm in self._own_groups():
                 comm.local_sums = LocalSums(comm)  # made lazily: a sum's memory at the first all-reduce of its size
         self.records = Records(run_dir, self.rank, run.tensorboard)

@@ -25,8 +25,10 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fast.comm import bootstrap as engine
 from fast.errors import CommError, FastError
 
 PRELOAD_VARIABLE = "FAST_PRELOAD"  # more modules the fork server imports once ("sklearn.datasets,transformers")
@@ -217,6 +219,25 @@ AGENT_VARIABLES = (
 
 
 @record
+def _joined(fn: Callable[..., Any], deadline_s: float, args: tuple) -> Any:
+    torch.set_num_threads(1)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    comm = engine.start(rank, size, "127.0.0.1", int(os.environ["MASTER_PORT"]), torch.device("cpu"), deadline_s)
+    try:
+        return fn(comm, *args)
+    finally:
+        engine.stop()
+
+
+def launch_group(
+    fn: Callable[..., Any], nprocs: int, *args: Any, deadline_s: float = 60.0, survivable: bool = False
+) -> dict[int, Any]:
+    """`fn(comm, *args)` in each of `nprocs` local processes (one torch thread each) joined in one gloo group on
+    the CPU; returns {rank: result}, or raises WorkerFailed (see `launch` for `survivable`). For tests and
+    benchmarks of `comm` itself."""
+    return launch(_joined, nprocs, (fn, deadline_s, args), port=engine.free_port(), threads=1, survivable=survivable)
+
+
 def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[str, str]) -> bytes:
     _die_with_parent()
     name_process("fast worker")
