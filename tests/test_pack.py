@@ -185,9 +185,9 @@ def _flip(data: bytes) -> bytes:
         ("altered", "member weights.bin was altered"),
         ("wrong-key", "its signature does not verify with"),
         ("truncated", "is truncated or not a package"),
-        ("newer", "newer than this FAST reads (1): upgrade FAST"),
+        ("newer", "newer than this FAST reads (2): upgrade FAST"),
         ("wrong-shape", "each input is float32 of shape (1, 28, 28), but the package was made for float32 of"),
-        ("fixed-key", "`optimizer.lr` is fixed by the package's author (open keys: strategy.*, run.epochs)"),
+        ("fixed-key", "`optimizer.lr` is the package author's training recipe (open keys: strategy.*, run.epochs;"),
     ],
 )
 def test_a_bad_package_or_bad_data_is_refused_in_one_line_with_exit_code_2(packed, tmp_path, case, message):
@@ -205,7 +205,7 @@ def test_a_bad_package_or_bad_data_is_refused_in_one_line_with_exit_code_2(packe
     elif case == "newer":
 
         def newer(data: bytes) -> bytes:
-            return json.dumps({**json.loads(data), "format": 2}).encode()
+            return json.dumps({**json.loads(data), "format": 3}).encode()
 
         archive = _altered(archive, tmp_path / "n.fastjob", "manifest.json", newer)
     elif case == "wrong-shape":
@@ -229,7 +229,8 @@ def test_fast_inspect_shows_what_a_package_holds_without_training(packed):
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout
     assert "(verified)" in text and "input: float32 (1, 8, 8) per sample; label: class index, int64 ()" in text
-    assert "metrics: loss, accuracy; open keys: strategy.*" in text
+    assert "metrics: loss, accuracy" in text and "opened by the author: strategy.*, run.epochs; fixed: none" in text
+    assert "all on the allow-list): aten::_assert_tensor_metadata.default, aten::add_.Tensor" in text
     manifest = read_package(archive).manifest
     for name, digest in manifest["members"].items():
         assert f"sha256 {digest}" in text and name in text

@@ -21,14 +21,26 @@ _excepthook = sys.excepthook
 
 
 def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
-    """A FAST error that ends a script is one line and its exit code, as on the command line; anything else
-    goes to the hook there was before."""
+    """A FAST error that ends a script is one line and its exit code, as on the command line; a process whose
+    launcher stopped the run while it was being started ends without a word; anything else goes to the hook there
+    was before."""
     from fast.errors import FastError
 
     if isinstance(error, FastError):
         print(f"fast: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
+    if isinstance(error, FileNotFoundError) and _abandoned(tb):
+        return
     _excepthook(kind, error, tb)
+
+
+def _abandoned(tb: Any) -> bool:
+    """Whether the error was multiprocessing failing to rebuild a lock for a process it was starting: the lock is
+    gone when the process that started this one (a launcher, torch's agent) has already stopped the run."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code if tb is not None else None
+    return code is not None and code.co_name == "__setstate__" and code.co_filename.endswith("synchronize.py")
 
 
 sys.excepthook = _one_line_errors

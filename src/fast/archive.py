@@ -1,13 +1,14 @@
-"""The archive of a packed training job (`fast pack`), read and checked member by member, without unpickling
-anything (the model it holds is loaded by fast.jobs.package).
+"""The archive of a packed training job (`fast pack`), read as untrusted bytes and checked member by member,
+without unpickling anything (the model it holds is run by fast.program).
 
 The archive is a zip of:
 
-    manifest.json   format version, FAST and torch versions, the SHA-256 of every other member, the signer's key
+    manifest.json   format version, FAST and torch versions, the SHA-256 and size of every other member, the
+                    signer's key
     signature       ed25519 over manifest.json's bytes (when the author signed)
     config.toml     the training config the author resolved (strategy, codec, optimizer, schedule, run)
     schema.json     the batch (input shape and dtype without the batch dimension, label shape and dtype), the
-                    metrics the evaluation program returns, and the config keys the author left open
+                    metrics the evaluation program returns, and the config keys the author opened and fixed
     train.json      the training program: (x, y) -> the loss, in training mode (dropout on, batch norm batch
                     statistics and running-statistics updates)
     eval.json       the evaluation program: (x, y) -> (loss, metric, ...), in evaluation mode
@@ -16,14 +17,22 @@ The archive is a zip of:
 
 Programs are torch.export graphs with every node's metadata (stack traces, module paths and class names)
 removed and parameters named neutrally; the author keeps the map back to the real names beside the archive.
+
+Reading (`read_package`) trusts nothing before it is checked: the zip's directory first (at most a few entries,
+plain names, no duplicates), then the manifest and its signature, then only the members the manifest lists, each
+streamed up to its declared size and cap while its SHA-256 is computed, then the programs against the operator
+allow-list (fast.operators). A member that is unlisted, missing, duplicated, larger than declared or over its
+cap is refused before it is decompressed any further.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import math
+import os
+import re
+import struct
 import tomllib
 import zipfile
 from dataclasses import dataclass
@@ -33,24 +42,22 @@ from typing import Any
 import torch
 
 from fast.errors import PackageError
+from fast.program import Graph, read_graph
 
-FORMAT = 1
+FORMAT = 2  # 2: member sizes in the manifest, opened and fixed keys in the schema
 PACKAGE_SUFFIX = ".fastjob"
-# keys the data owner sets whatever the author left open: their data, their machines and links, their run folder
-OWNER_KEYS = ("data.*", "package.*", "network.*", "compute.*", "faults.*", "eval.batch_size", "eval.samples",
-              "run.name", "run.device", "run.master_addr", "run.master_port", "run.threads_per_worker",
-              "run.deadline_s", "run.log_every", "run.eval_every", "run.targets", "run.tensorboard", "run.trace",
-              "run.checkpoint_every", "run.max_restarts")  # fmt: skip
 MANIFEST, SIGNATURE = "manifest.json", "signature"
-MEMBERS = ("config.toml", "schema.json", "train.json", "eval.json", "weights.json", "weights.bin")
+PROGRAMS = ("train.json", "eval.json")
+MEMBERS = ("config.toml", "schema.json", *PROGRAMS, "weights.json", "weights.bin")
+MiB = 1 << 20
+CAPS = {MANIFEST: MiB, SIGNATURE: 1024, "config.toml": MiB, "schema.json": MiB, "train.json": 256 * MiB,
+        "eval.json": 256 * MiB, "weights.json": 64 * MiB, "weights.bin": 64 * 1024 * MiB}  # fmt: skip
+CHUNK = MiB  # bytes decompressed at a time
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (torch.float32, torch.float64, torch.float16,
           torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
-
-
-def owner_may_set(key: str, opened: list[str]) -> bool:
-    """Whether the data owner may set config `key` of a packed job (`opened`: the author's open keys, patterns
-    such as "strategy.*")."""
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in (*OWNER_KEYS, *opened))
+WEIGHT_NAME = re.compile(r"[wb]\d{1,6}")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a metric's
+KEY = re.compile(r"[A-Za-z0-9_.*\-]{1,100}")  # an opened or fixed config key's pattern
 
 
 def sha256(data: bytes) -> str:
@@ -71,33 +78,42 @@ def encode_tensors(tensors: dict[str, torch.Tensor]) -> tuple[bytes, bytes]:
     return json.dumps(index).encode(), bytes(blob)
 
 
-def decode_tensors(index: bytes, blob: bytes) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for entry in json.loads(index):
-        dtype = DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise PackageError(f"weights.json names dtype {entry['dtype']!r}, which this FAST does not read")
-        shape, start = tuple(entry["shape"]), entry["offset"]
-        expected = math.prod(shape) * dtype.itemsize
-        if entry["bytes"] != expected or start + expected > len(blob):
-            raise PackageError(f"weights.json: tensor {entry['name']!r} does not fit weights.bin (a damaged package)")
-        if expected == 0:
-            tensors[entry["name"]] = torch.empty(shape, dtype=dtype)
-            continue
-        raw = bytearray(blob[start : start + expected])
-        tensors[entry["name"]] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+def decode_tensors(index: bytes, blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of weights.json's `index` in `blob`; PackageError for an entry that is not as fast pack writes
+    it or does not fit."""
+    try:
+        entries = json.loads(index)
+        tensors = {}
+        for entry in entries:
+            name, dtype, shape = entry["name"], DTYPES.get(entry["dtype"]), entry["shape"]
+            start, size = entry["offset"], entry["bytes"]
+            if not isinstance(name, str) or not WEIGHT_NAME.fullmatch(name) or name in tensors:
+                raise PackageError(f"weights.json names a tensor {str(name)[:40]!r}, not as fast pack names them")
+            if dtype is None:
+                raise PackageError(f"weights.json names dtype {str(entry['dtype'])[:20]!r}, which FAST does not read")
+            if not all(type(v) is int and v >= 0 for v in (*shape, start, size)):
+                raise PackageError(f"weights.json: tensor {name} has a malformed shape or place")
+            expected = math.prod(shape) * dtype.itemsize
+            if size != expected or start + expected > len(blob):
+                raise PackageError(f"weights.json: tensor {name!r} does not fit weights.bin (a damaged package)")
+            raw = bytearray(blob[start : start + expected])
+            data = torch.frombuffer(raw, dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
+            tensors[name] = data.view(dtype).reshape(shape).clone()
+    except (ValueError, KeyError, TypeError, RuntimeError):
+        raise PackageError("weights.json is not an index of tensors as fast pack writes it") from None
     return tensors
 
 
 # -- the archive ------------------------------------------------------------------------------------------------
 @dataclass
 class Package:
-    """A package read and checked: its members (bytes), manifest, config and schema."""
+    """A package read and checked: its members (bytes), manifest, programs, config and schema."""
 
     path: Path
     members: dict[str, bytes]
     manifest: dict[str, Any]
     signed_by: str | None  # the public key (hex) that signed it, when a signature is there
+    graphs: dict[str, Graph]  # train.json and eval.json, checked against the operator allow-list
 
     @property
     def config(self) -> dict[str, Any]:
@@ -112,46 +128,144 @@ class Package:
 
 
 def read_package(path: str | Path, trusted_key: str | Path | None = None) -> Package:
-    """The package at `path`, every member checked against the manifest; with `trusted_key` (a PEM public key
-    file) its signature must verify with that key. PackageError, in one line, for anything else."""
+    """The package at `path`, read as untrusted bytes (see the module's docstring); with `trusted_key` (a PEM
+    public key file) its signature must verify with that key. PackageError, in one line, for anything else."""
     path = Path(path)
     if not path.is_file():
-        raise PackageError(f"package {path} does not exist: give the .fastjob file `fast pack` wrote")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise PackageError(f"package {path} {what}: give the .fastjob file `fast pack` wrote")
     try:
-        with zipfile.ZipFile(path) as archive:
-            members = {name: archive.read(name) for name in archive.namelist()}
+        with open(path, "rb") as raw:
+            _check_directory(path, raw)
+            with zipfile.ZipFile(raw) as archive:
+                return _read(path, archive, trusted_key)
     except (zipfile.BadZipFile, EOFError, OSError) as e:
         raise PackageError(f"package {path} is truncated or not a package ({e}): ask its author for it again") from None
-    except zipfile.error as e:  # e.g. a CRC error: a byte changed inside the zip
+    except (zipfile.error, RuntimeError, NotImplementedError) as e:  # a bad CRC, an encrypted member
         raise PackageError(f"package {path} is damaged ({e}): ask its author for it again") from None
-    if MANIFEST not in members:
+
+
+def _check_directory(path: Path, raw: Any) -> None:
+    """Refuse a zip whose directory holds more entries than a package has, before zipfile reads them all."""
+    size = raw.seek(0, os.SEEK_END)
+    raw.seek(max(0, size - (1 << 16) - 22))
+    tail = raw.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        raise PackageError(f"package {path} is truncated or not a package (no zip directory): ask its author for it "
+                           "again")  # fmt: skip
+    entries, directory_size = struct.unpack("<HI", tail[at + 10 : at + 16])
+    if entries > 64 or directory_size > 64 * 1024:  # a package has 8
+        raise PackageError(f"package {path} has {entries} entries, more than a package has: do not train it")
+    raw.seek(0)
+
+
+def _read(path: Path, archive: zipfile.ZipFile, trusted_key: str | Path | None) -> Package:
+    entries: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        name = info.filename
+        if name in entries:
+            raise PackageError(f"package {path} holds two members named {name[:40]!r}: do not train it")
+        if name not in (MANIFEST, SIGNATURE, *MEMBERS):
+            shown = name[:40] if name.isprintable() else repr(name[:40])
+            raise PackageError(f"package {path} holds a member {shown!r} that packages do not have: do not train it")
+        entries[name] = info
+    if MANIFEST not in entries:
         raise PackageError(f"package {path} has no {MANIFEST}: it was not written by `fast pack`")
+    manifest_bytes = _member(path, archive, entries[MANIFEST], entries[MANIFEST].file_size)
     try:
-        manifest = json.loads(members[MANIFEST])
+        manifest = json.loads(manifest_bytes)
         version = int(manifest["format"])
     except (ValueError, KeyError, TypeError):
         raise PackageError(f"package {path}: its {MANIFEST} is not valid: ask its author for it again") from None
     if version > FORMAT:
         raise PackageError(f"package {path} has format {version}, newer than this FAST reads ({FORMAT}): upgrade FAST")
-    listed = manifest.get("members", {})
+    if version < FORMAT:
+        raise PackageError(f"package {path} has format {version}, from an older FAST whose packages are no longer "
+                           "read: ask its author to pack it again")  # fmt: skip
+    signature = None
+    if SIGNATURE in entries:
+        signature = _member(path, archive, entries[SIGNATURE], entries[SIGNATURE].file_size)
+    signed_by = _check_signature(path, manifest_bytes, manifest, signature, trusted_key)
+    listed, sizes = manifest.get("members"), manifest.get("sizes")
+    if not isinstance(listed, dict) or not isinstance(sizes, dict) or not set(MEMBERS) == set(listed) == set(sizes):
+        raise PackageError(f"package {path}: its {MANIFEST} does not list the members of a package: ask its author "
+                           "for it again")  # fmt: skip
     for name in MEMBERS:
-        if name not in members or name not in listed:
+        if name not in entries:
             raise PackageError(f"package {path} lacks member {name}: it is incomplete; ask its author for it again")
-    for name, data in members.items():
-        if name in (MANIFEST, SIGNATURE):
-            continue
-        if listed.get(name) != sha256(data):
-            what = "is not in its manifest" if name not in listed else "was altered (its SHA-256 is not the manifest's)"
-            raise PackageError(f"package {path}: member {name} {what}; do not train it, ask its author for it again")
-    signed_by = _check_signature(path, members, manifest, trusted_key)
-    return Package(path, members, manifest, signed_by)
+        declared = sizes[name]
+        if type(declared) is not int or declared != entries[name].file_size:
+            raise PackageError(f"package {path}: member {name} is not the size its manifest declares: do not train it")
+    members = {name: _member(path, archive, entries[name], sizes[name], listed[name]) for name in MEMBERS}
+    _check_schema(path, members)
+    graphs = {name: read_graph(members[name], name) for name in PROGRAMS}
+    _check_programs(path, graphs, members)
+    return Package(path, members, manifest, signed_by, graphs)
 
 
-def _check_signature(path: Path, members: dict[str, bytes], manifest: dict[str, Any],
+def _member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, digest: str | None = None) -> bytes:
+    """A member's bytes, decompressed a chunk at a time up to `size` (refused past it or past its cap), and
+    checked against its SHA-256 `digest`."""
+    name = info.filename
+    if size > CAPS[name]:
+        raise PackageError(f"package {path}: member {name} declares {size:,} bytes, over the cap of {CAPS[name]:,} "
+                           "for it: do not train it")  # fmt: skip
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 0x1:
+        raise PackageError(f"package {path}: member {name} is encrypted or compressed in a way fast pack does not "
+                           "write: do not train it")  # fmt: skip
+    data, hashed = bytearray(), hashlib.sha256()
+    with archive.open(info) as stream:
+        while chunk := stream.read(min(CHUNK, size + 1 - len(data))):
+            data += chunk
+            hashed.update(chunk)
+            if len(data) > size:
+                raise PackageError(f"package {path}: member {name} is larger than declared: do not train it")
+    if len(data) != size:
+        raise PackageError(f"package {path}: member {name} is shorter than declared: ask its author for it again")
+    if digest is not None and hashed.hexdigest() != digest:
+        raise PackageError(f"package {path}: member {name} was altered (its SHA-256 is not the manifest's); do not "
+                           "train it, ask its author for it again")  # fmt: skip
+    return bytes(data)
+
+
+def _check_schema(path: Path, members: dict[str, bytes]) -> None:
+    """config.toml is TOML; schema.json describes a batch, metrics and keys as fast pack writes them."""
+    try:
+        tomllib.loads(members["config.toml"].decode())
+        schema = json.loads(members["schema.json"])
+        ok = isinstance(schema, dict) and schema["label"]["kind"] in ("class index", "tensor")
+        for part in (schema["input"], schema["label"]):
+            ok = ok and part["dtype"] in DTYPES and all(type(v) is int and v >= 0 for v in part["shape"])
+        words = [*schema["metrics"], *schema["derived"]]
+        ok = ok and all(isinstance(w, str) and NAME.fullmatch(w) for w in words)
+        ok = ok and all(isinstance(k, str) and KEY.fullmatch(k) for k in [*schema["open"], *schema["fixed"]])
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise PackageError(f"package {path}: its config.toml or schema.json is malformed: ask its author for it again")
+
+
+def _check_programs(path: Path, graphs: dict[str, Graph], members: dict[str, bytes]) -> None:
+    """The programs take the weights the package holds, and return what the schema says (the loss; the loss and
+    the metrics)."""
+    try:
+        names = sorted(entry["name"] for entry in json.loads(members["weights.json"]))
+        metrics = json.loads(members["schema.json"])["metrics"]
+    except (ValueError, KeyError, TypeError):
+        raise PackageError(f"package {path}: weights.json is malformed: ask its author for it again") from None
+    for name, graph in graphs.items():
+        if sorted(graph.weight_names) != names:
+            raise PackageError(f"package {path}: {name} does not take the weights the package holds")
+    if len(graphs["train.json"].outputs) != 1 or len(graphs["eval.json"].outputs) != 1 + len(metrics):
+        raise PackageError(f"package {path}: its programs do not return the loss and the metrics its schema names")
+
+
+def _check_signature(path: Path, manifest_bytes: bytes, manifest: dict[str, Any], signature: bytes | None,
                      trusted_key: str | Path | None) -> str | None:  # fmt: skip
-    signer, signature = manifest.get("signer"), members.get(SIGNATURE)
+    signer = manifest.get("signer")
     if trusted_key is None:
-        return signer if signature is not None else None
+        return signer if signature is not None and isinstance(signer, str) else None
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -167,7 +281,7 @@ def _check_signature(path: Path, members: dict[str, bytes], manifest: dict[str, 
     if signature is None:
         raise PackageError(f"package {path} is not signed, but a trusted key was given: ask its author to sign it")
     try:
-        key.verify(signature, members[MANIFEST])
+        key.verify(signature, manifest_bytes)
     except InvalidSignature:
         why = f"its signature does not verify with {trusted_key}; do not train it"
         raise PackageError(f"package {path}: {why}") from None

@@ -10,11 +10,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fast.archive import PACKAGE_SUFFIX, owner_may_set, read_package
+from fast.archive import PACKAGE_SUFFIX, read_package
 from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, load_dict
 from fast.errors import ConfigError
 from fast.optim import check_optimizer, check_schedule
+from fast.ownership import check_owner_keys
 from fast.strategies import strategy_for, strategy_options, validate_strategy_options
 
 
@@ -141,23 +142,21 @@ def load_config(source: str | Path | dict[str, Any] | Config | None = None, **ov
 
 
 def with_package(data: dict[str, Any]) -> dict[str, Any]:
-    """The packed job's config with the data owner's keys on top: their data, deployment and run-folder keys, and
-    the keys the author left open; ConfigError for any other key that differs from the package's."""
+    """The packed job's config with the data owner's keys on top; ConfigError for a key that is not the owner's
+    to change (fast.ownership)."""
     package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
-    base, opened = package.config, package.schema.get("open", [])
+    base, schema = package.config, package.schema
     packed = _flat(base)
-    for key, value in _flat(data).items():
-        table = key.split(".")[0]
-        if table in ("model", "step") or key == "eval.factory":
-            raise ConfigError(f"`{key}`: a packed job's model and loss come from its package; drop the key")
-        if value != packed.get(key) and not owner_may_set(key, opened):
-            shown = ", ".join(opened) or "none"
-            raise ConfigError(f"`{key}` is fixed by the package's author (open keys: {shown}); drop it from the config")
+    changed = {key: value for key, value in _flat(data).items() if value != packed.get(key)}
+    check_owner_keys(changed, schema["open"], schema["fixed"])
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for key, value in data.items():
-        merged[key] = (
-            {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-        )
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            named = packed.get(f"{key}.name")
+            # another strategy or codec than the package's takes none of the package's options for it
+            replaced = key in ("strategy", "codec") and value.get("name", named) != named
+            value = value if replaced else {**merged[key], **value}
+        merged[key] = value
     return merged
 
 

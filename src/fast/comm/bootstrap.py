@@ -54,11 +54,11 @@ def start(
     # under torch's elastic agent (torchrun, run.max_restarts) the agent hosts the store and keeps it across
     # restarts, so every attempt gets keys of its own; otherwise rank 0 hosts it
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if os.environ.get("FAST_STORE_FILE"):  # local runs: a file, so nothing listens beyond gloo's loopback pairs
-        store = dist.FileStore(os.environ["FAST_STORE_FILE"], world_size)
-    else:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("FAST_STORE_FILE"):  # local runs: a file, so nothing listens beyond gloo's loopback pairs
+        store = dist.FileStore(f"{os.environ['FAST_STORE_FILE']}-{attempt}", world_size)  # a file per attempt
+    else:
+        store = _tcp_store(addr, port, world_size, rank == 0 and not agent, timeout)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"fast/attempt-{attempt}", store),
@@ -67,6 +67,16 @@ def start(
         timeout=timeout,
     )
     return make_comm(deadline_s=deadline_s, device=device)
+
+
+def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(addr, port, world_size, is_master=host, timeout=timeout)
+    except RuntimeError as e:
+        if host and "EADDRINUSE" in str(e):
+            raise ConfigError(f"port {port} of {addr} is in use (run.master_port, MASTER_PORT): choose another, or "
+                              "run.master_port = 0 for any free one") from None  # fmt: skip
+        raise
 
 
 def stop() -> None:

@@ -32,6 +32,7 @@ from fast.comm.comm import Comm, Handle
 
 TMPFS = Path("/dev/shm")  # memory only, and only this machine's: the one place a sum may be shared
 SHARED_DIR = TMPFS if TMPFS.is_dir() else Path(tempfile.gettempdir())
+SCRATCH_VARIABLE = "FAST_SCRATCH"  # the launcher's prefix for its run's files (fast.runtime.lifeline removes them)
 NAME_BYTES = 1024
 READY, SUMMED = 0, 1  # the two progress counters of a member: the round whose values are in, whose chunk is summed
 SPINS = 200  # yields before a wait starts to nap: a peer that is nearly there costs no sleep
@@ -182,15 +183,8 @@ def open_shared_sum(comm: Comm, numel: int) -> SharedMemorySum | None:
     n = comm.size
     nbytes = 16 * n + 4 * numel * (n + 1)
     first = comm.index() == 0
-    path = TMPFS / f"fast-sum-{os.getpid()}-{uuid.uuid4().hex[:12]}" if first and TMPFS.is_dir() else None
     with comm.unmetered():
-        if path is not None:
-            try:  # reserved now, so that a full /dev/shm (64 MB in a default container) is a fallback, not a SIGBUS
-                with path.open("xb") as f:
-                    os.posix_fallocate(f.fileno(), 0, nbytes)
-            except OSError:
-                path.unlink(missing_ok=True)
-                path = None
+        path = new_shared_file("sum", nbytes) if first and TMPFS.is_dir() else None
         path = share_path(comm, path)
         storage = None
         if path is not None and path.is_file():  # mapping a missing file would create one of this machine's own
@@ -207,6 +201,26 @@ def open_shared_sum(comm: Comm, numel: int) -> SharedMemorySum | None:
     if not all(mapped) or len(boots) != 1 or 0 in boots:  # one machine's memory, seen by every member
         return None
     return SharedMemorySum(comm, numel, storage, [(int(row[2]), int(row[3])) for row in everyone])
+
+
+def new_shared_file(kind: str, nbytes: int) -> Path | None:
+    """A new file of `nbytes` in shared memory, readable by this user only, named for the run (`kind`: "sum",
+    "hogwild"); None when there is no room. Its memory is reserved now, so that a full /dev/shm (64 MB in a
+    default container) is refused here rather than killing a process with SIGBUS when it is touched."""
+    scratch = os.environ.get(SCRATCH_VARIABLE) or f"fast-{os.getpid()}"
+    path = SHARED_DIR / f"{scratch}-{kind}-{uuid.uuid4().hex[:12]}"
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(descriptor, 0, nbytes)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    finally:
+        os.close(descriptor)
+    return path
 
 
 def share_path(comm: Comm, path: Path | None) -> Path | None:

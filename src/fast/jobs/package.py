@@ -1,5 +1,5 @@
-"""A packed job's model, loss and evaluation at the data owner's site, loaded from its archive's exported graphs
-without the author's code and without unpickling (fast.archive reads and checks the archive)."""
+"""A packed job's model, loss and evaluation at the data owner's site: its archive's graphs run by fast.program on
+its weights, without the author's code and without unpickling (fast.archive reads and checks the archive)."""
 
 from __future__ import annotations
 
@@ -9,56 +9,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from fast.archive import DTYPES, Package
+from fast.archive import Package
 from fast.errors import PackageError
 from fast.jobs.evaluate import EvalFn
 
 
 # -- the model --------------------------------------------------------------------------------------------------
-def example_batch(schema: dict[str, Any], size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of zeros of the package's schema."""
-    x, y = schema["input"], schema["label"]
-    return (
-        torch.zeros(size, *x["shape"], dtype=DTYPES[x["dtype"]]),
-        torch.zeros(size, *y["shape"], dtype=DTYPES[y["dtype"]]),
-    )
-
-
-def load_program(graph: bytes, weights: dict[str, torch.Tensor], schema: dict[str, Any]) -> nn.Module:
-    """An exported program's module from its graph (JSON) and weights: no pickle, no author code."""
-    from torch._export.serde.serialize import SerializedArtifact, deserialize
-
-    state = {name: nn.Parameter(t) if name.startswith("w") else t for name, t in weights.items()}  # w: parameters
-    try:
-        program = deserialize(SerializedArtifact(graph, state, {}, (example_batch(schema), {})))
-    except Exception as e:  # noqa: BLE001 - the deserializer's errors are many and internal
-        raise PackageError(f"a program of the package cannot be loaded ({type(e).__name__}: {e})") from None
-    return program.module()
-
-
 class PackedModel(nn.Module):
     """The packed job's model: called with a batch (x, y) it returns the loss in training mode, and (loss, metric,
-    ...) in evaluation mode. Its parameters and buffers are the training program's (w0, w1, ... b0, ...), which the
-    evaluation program shares."""
+    ...) in evaluation mode. Its parameters and buffers (w0, w1, ... b0, ...) are held by `program` (model.pt's
+    keys are program.w0, ...), and both programs run on them."""
 
     def __init__(self, package: Package) -> None:
         super().__init__()
-        weights = package.weights()
-        schema = package.schema
-        self.program = load_program(package.members["train.json"], weights, schema)
-        evaluation = load_program(package.members["eval.json"], weights, schema)
-        for name, tensor in [*self.program.named_parameters(), *self.program.named_buffers()]:
-            setattr(evaluation, name, tensor)  # one set of weights for both programs
-        object.__setattr__(self, "evaluation", evaluation)  # not a submodule: its weights are the program's
-        self.metrics: list[str] = schema["metrics"]
-
-    def train(self, mode: bool = True) -> PackedModel:
-        """Which program runs (an exported program has its mode built in and refuses train() itself)."""
-        self.training = mode
-        return self
+        self.program = nn.Module()
+        for name, tensor in package.weights().items():
+            if name.startswith("w"):
+                self.program.register_parameter(name, nn.Parameter(tensor, tensor.is_floating_point()))
+            else:
+                self.program.register_buffer(name, tensor)
+        self.graphs = {True: package.graphs["train.json"], False: package.graphs["eval.json"]}
+        self.metrics: list[str] = package.schema["metrics"]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
-        return self.program(x, y) if self.training else self.evaluation(x, y)
+        tensors = {**self.program._parameters, **self.program._buffers}
+        outputs = self.graphs[self.training].run(tensors, x, y)
+        return outputs[0] if self.training else outputs
 
 
 def packed_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

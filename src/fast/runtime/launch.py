@@ -2,9 +2,11 @@
 
 Each child gets the same environment torchrun would give it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 LOCAL_RANK), so the worker code is the same locally and across machines. If any child fails, the others
-are stopped and the first failure's one-line message is raised; children die with their parent
-(PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no orphan. With `survivable=True` (strategies that
-survive failures) only rank 0's failure stops the run: the others may die and the survivors go on.
+are stopped and the first failure's one-line message is raised. Ctrl-C, SIGTERM or SIGHUP to the launcher stops
+every child and ends the run with the signal's exit code (130, 143, 129); children die with the launcher however
+it ends, SIGKILL included (fast.runtime.lifeline), so no orphan and no scratch file is left. With
+`survivable=True` (strategies that survive failures) only rank 0's failure stops the run: the others may die and
+the survivors go on.
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,6 +30,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fast.comm import bootstrap as engine
 from fast.errors import CommError, FastError
+from fast.interrupts import Stopped, held_interrupts, how_interrupted
+from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
 
 PRELOAD_VARIABLE = "FAST_PRELOAD"  # more modules the fork server imports once ("sklearn.datasets,transformers")
 GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
@@ -50,9 +52,18 @@ class WorkerFailed(FastError):
 
 
 class Interrupted(WorkerFailed):
-    """Ctrl-C (or a termination signal) stopped the run and every worker; exit code 130, as a shell's."""
+    """Ctrl-C (or a termination signal) stopped the run and every worker; exit code 128 + the signal's number,
+    as a shell's (130 for Ctrl-C, 143 for SIGTERM)."""
 
     exit_code = 130
+
+
+def interrupted(interrupt: BaseException, more: str = "") -> Interrupted:
+    """The error that ends a run `interrupt` stopped (`more`: what to add, e.g. how to resume)."""
+    how, code = how_interrupted(interrupt)
+    error = Interrupted(f"interrupted ({how}): every worker was stopped{more}")
+    error.exit_code = code
+    return error
 
 
 def _die_with_parent() -> None:
@@ -78,6 +89,7 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
     name_process(f"fast worker {rank}")
     os.environ.clear()
     os.environ.update(env)
+    watch_launcher()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
     try:
         # plain pickle copies tensors (the queue's own pickler would share them through file descriptors
@@ -114,11 +126,30 @@ def failure_of(e: BaseException, trace: str | None = None) -> Failure:
 
 def _context() -> Any:
     """Processes forked from a server that has imported torch once: starting a worker costs milliseconds, not
-    the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again."""
+    the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again. The server
+    starts with Ctrl-C ignored: one pressed while it imports is the launcher's to report, in one line."""
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
     preload = [name.strip() for name in os.environ.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
     ctx.set_forkserver_preload(["fast.jobs.loop", "torch._dynamo", *preload])  # one that does not import is skipped
+    with _ignored(signal.SIGINT):
+        forkserver.ensure_running()
     return ctx
+
+
+@contextlib.contextmanager
+def _ignored(signum: int) -> Iterator[None]:
+    """`signum` ignored meanwhile, in this process and in the processes it starts (which inherit that)."""
+    try:
+        previous = signal.signal(signum, signal.SIG_IGN)
+    except ValueError:  # not the main thread: its processes inherit whatever it has
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
 
 
 def launch(
@@ -136,35 +167,39 @@ def launch(
 
     With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
     others are not stopped; rank 0 (which writes the outputs) must end well."""
-    ctx = _context()
-    results = ctx.SimpleQueue()
-    store_dir = tempfile.mkdtemp(prefix="fast-store-")
-    local = addr.startswith("127.") or addr == "localhost"
-    procs = []
-    for rank in range(nprocs):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(nprocs),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(nprocs),
-            "MASTER_ADDR": addr,
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": str(threads),
-            "GLOO_SOCKET_IFNAME": "lo" if addr.startswith("127.") else os.environ.get("GLOO_SOCKET_IFNAME", ""),
-            "FAST_STORE_FILE": os.path.join(store_dir, "store") if local else "",
-            **(extra_env or {}),
-        }
-        # the whole environment travels: a forked worker would otherwise see the fork server's, not ours
-        env = {**os.environ, **{k: v for k, v in env.items() if v}}
-        proc = ctx.Process(target=_child, args=(fn, rank, env, args, results), name=f"fast-worker-{rank}")
-        proc.start()
-        procs.append(proc)
+    scratch = new_scratch()
+    procs: list[Any] = []
     outputs: dict[int, Any] = {}
     exited: dict[int, int] = {}  # processes that ended by themselves, with their exit codes
-    interrupted = False
-    pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
-    settle_until: float | None = None
+    interrupt: KeyboardInterrupt | None = None
     try:
+        ctx = _context()
+        results = ctx.SimpleQueue()
+        store = scratch_folder(scratch)
+        store.mkdir(mode=0o700)
+        local = addr.startswith("127.") or addr == "localhost"
+        for rank in range(nprocs):
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(nprocs),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(nprocs),
+                "MASTER_ADDR": addr,
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(threads),
+                "GLOO_SOCKET_IFNAME": "lo" if addr.startswith("127.") else os.environ.get("GLOO_SOCKET_IFNAME", ""),
+                "FAST_STORE_FILE": str(store / "store") if local else "",
+                **launcher_environment(scratch),
+                **(extra_env or {}),
+            }
+            # the whole environment travels: a forked worker would otherwise see the fork server's, not ours
+            env = {**os.environ, **{k: v for k, v in env.items() if v}}
+            proc = ctx.Process(target=_child, args=(fn, rank, env, args, results), name=f"fast-worker-{rank}")
+            with held_interrupts():  # a process half started could be neither stopped nor left to run
+                proc.start()
+                procs.append(proc)
+        pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
+        settle_until: float | None = None
         while pending:
             timeout = None if settle_until is None else max(0.0, settle_until - time.monotonic())
             # read results as they come: a child blocks on a full pipe until its result is read
@@ -187,14 +222,15 @@ def launch(
                             _stop([procs[lost]], grace_s=0.0)
                         settle_until = time.monotonic() + SURVIVOR_GRACE_S
                 outputs.update(_drain(results))
-    except KeyboardInterrupt:
-        interrupted = True
+        outputs.update(_drain(results))
+    except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: SIGTERM or SIGHUP
+        interrupt = e
     finally:
         _stop(procs)
-        shutil.rmtree(store_dir, ignore_errors=True)
-    outputs.update(_drain(results))
-    if interrupted:
-        raise Interrupted("interrupted (Ctrl-C): every worker was stopped")
+        remove_scratch(scratch)
+    if interrupt is not None:
+        raise interrupted(interrupt) from None
+    outputs.update(_drain(results))  # what the last ones said while they were stopped
     if survivable and not isinstance(outputs.get(0), Failure) and exited.get(0) == 0:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, exited)
@@ -244,6 +280,7 @@ def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
     os.environ.clear()  # the launcher's environment, not the fork server's, plus what the agent set
     os.environ.update({**env, **agent, "OMP_NUM_THREADS": str(threads)})
+    watch_launcher()
     # Ctrl-C reaches every process of the terminal's group: a worker ends at once and quietly (no traceback);
     # the agent stops the others and the launcher reports it in one line
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -268,6 +305,21 @@ def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[
 
 
 AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the signals torch's agent takes over
+
+
+@contextlib.contextmanager
+def variables_set(variables: dict[str, str]) -> Iterator[None]:
+    """Environment variables set in this process meanwhile (torch's agent reads some, and passes them all on)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -304,30 +356,41 @@ def launch_elastic(
 ) -> dict[int, Any]:
     """Like `launch`, under torch's elastic agent: if any worker fails, all are restarted (up to `max_restarts`
     times) with TORCHELASTIC_RESTART_COUNT set, so that they resume from their last checkpoint."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nprocs,
-        run_id=f"fast-{port}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{addr}:{port}",
-        max_restarts=max_restarts,
-        monitor_interval=0.2,
-        start_method="forkserver",
-        local_addr=addr,
-    )
-    _context()  # the agent's workers come from the same preloaded fork server
+    scratch = new_scratch()
+    folder = scratch_folder(scratch)
+    local = addr.startswith("127.") or addr == "localhost"
+    # one machine: on it, the rendezvous and the workers' store are files, and gloo listens on loopback only
+    rendezvous = {"rdzv_endpoint": str(folder / "rendezvous"), "rdzv_configs": {"store_type": "file"}} if local else {
+        "rdzv_endpoint": f"{addr}:{port}"}  # fmt: skip
     try:
-        with _under_agent():
-            outputs = elastic_launch(config, _elastic_child)(fn, threads, args, dict(os.environ))
-    except (KeyboardInterrupt, SignalException) as e:  # the agent has stopped every worker
-        how = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else signal.Signals(e.sigval).name
-        how = "Ctrl-C" if how == "SIGINT" else how
-        raise Interrupted(f"interrupted ({how}): every worker was stopped") from None
+        folder.mkdir(mode=0o700)
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nprocs,
+            run_id=scratch,
+            rdzv_backend="c10d",
+            max_restarts=max_restarts,
+            monitor_interval=0.2,
+            start_method="forkserver",
+            local_addr=addr,
+            logs_specs=DefaultLogsSpecs(log_dir=str(folder / "agent")),
+            **rendezvous,
+        )
+        _context()  # the agent's workers come from the same preloaded fork server
+        env = {**os.environ, **launcher_environment(scratch)}
+        if local:
+            env.update({"FAST_STORE_FILE": str(folder / "store"), "GLOO_SOCKET_IFNAME": "lo"})
+        with _under_agent(), variables_set({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if local else {}):
+            outputs = elastic_launch(config, _elastic_child)(fn, threads, args, env)
+    except KeyboardInterrupt as e:  # the agent has stopped every worker
+        raise interrupted(e) from None
+    except SignalException as e:
+        raise interrupted(Stopped(e.sigval) if e.sigval != signal.SIGINT else KeyboardInterrupt()) from None
     except ChildFailedError as e:
         causes = []
         for rank, failure in e.failures.items():
@@ -344,6 +407,8 @@ def launch_elastic(
             causes.append((reason.startswith(("CommError", "CommTimeout")), rank, reason))
         _, rank, reason = min(causes)  # a worker's own death or error explains its peers' lost connections
         raise WorkerFailed(f"worker {rank} failed and {max_restarts} restart(s) are used up: {reason}") from None
+    finally:
+        remove_scratch(scratch)
     return {rank: pickle.loads(value) for rank, value in outputs.items()}
 
 

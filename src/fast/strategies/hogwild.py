@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import uuid
 from typing import Any
 
 import torch
 from torch import nn
 
-from fast.comm.shared_memory import SHARED_DIR, share_path
+from fast.comm.shared_memory import SHARED_DIR, new_shared_file, share_path
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.strategies.base import Strategy, StrategyOptions
@@ -74,11 +73,16 @@ class Hogwild(Strategy):
         self.shared_bytes = 8 * workers + 4 * numel
         first = self.comm.index() == 0
         if first:
-            self.path = SHARED_DIR / f"fast-hogwild-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            weights = self._map(workers, numel)
-            torch.cat([t.detach().reshape(-1) for t in tensors], out=weights)
+            self.path = new_shared_file("hogwild", self.shared_bytes)
+            if self.path is not None:
+                weights = self._map(workers, numel)
+                torch.cat([t.detach().reshape(-1) for t in tensors], out=weights)
         with self.comm.unmetered():  # the weights are in the file before anyone learns its name
             path = share_path(self.comm, self.path if first else None)
+        if path is None:
+            raise ConfigError(f"hogwild shares its model through {SHARED_DIR}, which has no room for "
+                              f"{self.shared_bytes:,} bytes: free some, or give the machine or container more "
+                              "shared memory (docker run --shm-size)")  # fmt: skip
         if not first:
             self.path = path
             weights = self._map(workers, numel)

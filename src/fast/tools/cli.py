@@ -6,12 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from fast.config import parse_value
 from fast.errors import ConfigError, FastError
+from fast.interrupts import held_interrupts, how_interrupted, stop_on_termination
 
 
 def _overrides(pairs: list[str], trust: str | None = None) -> dict[str, Any]:
     """`--set key=value` pairs as `fast.train`'s overrides; `--trust KEY.pub` as the package's trusted key."""
+    from fast.config import parse_value
+
     out: dict[str, Any] = {"package__trusted_key": str(trust)} if trust else {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -76,7 +78,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from fast.tools.pack import names_path, pack
 
     out = pack(args.config, args.out, metric=args.metric, sign=args.sign, open_keys=tuple(args.open),
-               **_overrides(args.set))  # fmt: skip
+               fixed_keys=tuple(args.fix), **_overrides(args.set))  # fmt: skip
     print(f"packed {out} ({out.stat().st_size:,} B); the map back to your names: {names_path(out)} (keep it)")
     return 0
 
@@ -145,8 +147,16 @@ def parser() -> argparse.ArgumentParser:
     pk.add_argument("--out", required=True, help="the archive to write, e.g. job.fastjob")
     pk.add_argument("--sign", metavar="KEY", help="sign with this ed25519 private key (fast keys)")
     pk.add_argument("--metric", metavar="MODULE:FUNCTION", help="metric(outputs, labels) -> {name: scalar}")
-    pk.add_argument("--open", action="append", default=[], metavar="KEY", help='a key the data owner may set '
-                    '("run.workers", "strategy.*"); data keys are always theirs')  # fmt: skip
+    pk.add_argument(
+        "--open",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key of your training recipe "
+        '(optimizer, schedule, length, batch) the data owner may set ("optimizer.lr", "schedule.*")',
+    )
+    pk.add_argument("--fix", action="append", default=[], metavar="KEY", help="a key of the deployment the data "
+                    'owner may not set ("strategy.*", "run.workers"); the rest of it is theirs')  # fmt: skip
     pk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     pk.set_defaults(func=cmd_pack)
     ins = sub.add_parser("inspect", help="print what a package holds (config, schema, sizes, hashes, signer)")
@@ -165,8 +175,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    stop_on_termination()  # SIGTERM and SIGHUP end a run as Ctrl-C does
     try:
+        # an import cut short can leave a library half set up (or swallow the interrupt): Ctrl-C waits for them
+        with held_interrupts():
+            args = parser().parse_args(argv)
+            import fast.jobs.loop  # noqa: F401 - torch and the job's stack, which the commands use
         return args.func(args)
     except FastError as e:
         shown = getattr(e, "traceback", None)
@@ -174,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             print(shown.rstrip(), file=sys.stderr)
         print(f"fast: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("fast: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how, code = how_interrupted(e)
+        print(f"fast: interrupted ({how})", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

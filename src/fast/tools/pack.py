@@ -31,6 +31,8 @@ from fast.config import Config
 from fast.errors import PackageError
 from fast.factories import load_factory
 from fast.jobs.loop import UserCode, datasets, model_for, step_for
+from fast.ownership import check_patterns
+from fast.program import read_graph
 
 MetricFn = Callable[[Any, torch.Tensor], dict[str, torch.Tensor]]
 AUTHOR_TABLES = ("model", "step", "eval", "data", "package")  # the author's code and data: not in the package
@@ -77,7 +79,8 @@ def _metrics(outputs: Any, y: torch.Tensor, metric: MetricFn | None) -> dict[str
 
 
 def export(module: Exported, example: tuple[torch.Tensor, torch.Tensor], training: bool) -> bytes:
-    """The program's graph as JSON, every node's metadata dropped; PackageError naming what cannot be exported."""
+    """The program's graph as JSON, every node's metadata dropped and every node checked against the operator
+    allow-list; PackageError naming what cannot be exported or is not allowed."""
     from torch._export.serde.serialize import serialize
 
     module.train(training)
@@ -89,8 +92,12 @@ def export(module: Exported, example: tuple[torch.Tensor, torch.Tensor], trainin
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PackageError(f"the model cannot be packed: torch.export failed on {type(e).__name__}: {first}"
                            f"{_where(str(e))}") from None  # fmt: skip
-    graph = json.loads(serialize(program).exported_program)
-    return json.dumps(_without_metadata(graph)).encode()
+    graph = json.dumps(_without_metadata(json.loads(serialize(program).exported_program))).encode()
+    try:
+        read_graph(graph, "the training program" if training else "the evaluation program")
+    except PackageError as e:
+        raise PackageError(f"the model cannot be packed: {e}") from None
+    return graph
 
 
 def _where(message: str) -> str:
@@ -109,7 +116,7 @@ def _without_metadata(value: Any) -> Any:
 
 
 def _schema(example: tuple[torch.Tensor, torch.Tensor], metrics: list[str], open_keys: list[str],
-            derived: list[str]) -> dict[str, Any]:  # fmt: skip
+            fixed_keys: list[str], derived: list[str]) -> dict[str, Any]:  # fmt: skip
     x, y = example
 
     def described(t: torch.Tensor) -> dict[str, Any]:
@@ -117,7 +124,7 @@ def _schema(example: tuple[torch.Tensor, torch.Tensor], metrics: list[str], open
 
     labels = "class index" if not y.is_floating_point() and y.dim() == 1 else "tensor"
     return {"input": described(x), "label": {**described(y), "kind": labels}, "metrics": metrics,
-            "derived": derived, "open": open_keys}  # fmt: skip
+            "derived": derived, "open": open_keys, "fixed": fixed_keys}  # fmt: skip
 
 
 def _example(config: Config, train: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +136,13 @@ def _example(config: Config, train: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack(source: str | Path | dict[str, Any] | Config | None, out: str | Path, *, metric: str | MetricFn | None = None,
-         sign: str | Path | None = None, open_keys: tuple[str, ...] = (), model_fn: Any = None,
-         **overrides: Any) -> Path:  # fmt: skip
+         sign: str | Path | None = None, open_keys: tuple[str, ...] = (), fixed_keys: tuple[str, ...] = (),
+         model_fn: Any = None, **overrides: Any) -> Path:  # fmt: skip
     """Pack the job of `source` (a config, as `fast train` takes it) into `out`; returns the archive's path.
-    `sign`: the author's ed25519 private key (PEM) to sign it with; `open_keys`: config keys the data owner may
-    set (data keys are always theirs)."""
+    `sign`: the author's ed25519 private key (PEM) to sign it with; `open_keys`: keys of the author's recipe
+    (optimizer, schedule, length, batch) the data owner may set; `fixed_keys`: keys of the deployment (strategy,
+    codec, workers, ...) the owner may not set (fast.ownership says whose each key is)."""
+    check_patterns(tuple(open_keys), tuple(fixed_keys))
     config = load_config(source, **overrides)
     out = Path(out)
     train, _ = datasets(config)
@@ -156,30 +165,41 @@ def pack(source: str | Path | dict[str, Any] | Config | None, out: str | Path, *
     trained = {k: v for k, v in config.to_dict().items() if k not in AUTHOR_TABLES}
     members = {
         "config.toml": tomli_w.dumps(trained).encode(),
-        "schema.json": json.dumps(_schema(example, metrics, list(open_keys), derived), indent=1).encode(),
+        "schema.json": json.dumps(
+            _schema(example, metrics, list(open_keys), list(fixed_keys), derived), indent=1
+        ).encode(),
         "train.json": train_graph,
         "eval.json": eval_graph,
         "weights.json": index,
         "weights.bin": blob,
     }
+    write_archive(out, members, sign)
+    names = {"parameters_and_buffers": exported.names, "state_dict_prefix": "program."}
+    names_path(out).write_text(json.dumps(names, indent=1) + "\n")
+    return out
+
+
+def write_archive(out: str | Path, members: dict[str, bytes], sign: str | Path | None = None) -> Path:
+    """The archive of `members` (a package's, by name) at `out`, with its manifest (their SHA-256s and sizes),
+    signed with the ed25519 private key `sign` when given; written to a temporary name, then renamed."""
     manifest: dict[str, Any] = {"format": FORMAT, "fast": __version__, "torch": torch.__version__.split("+")[0],
-                                "members": {name: sha256(data) for name, data in members.items()}}  # fmt: skip
+                                "members": {name: sha256(data) for name, data in members.items()},
+                                "sizes": {name: len(data) for name, data in members.items()}}  # fmt: skip
     signature = None
     if sign is not None:
         key = _private_key(sign)
         manifest["signer"] = _public_hex(key.public_key())
         signature = key.sign(json.dumps(manifest, indent=1).encode())
-    members[MANIFEST] = json.dumps(manifest, indent=1).encode()
+    members = {**members, MANIFEST: json.dumps(manifest, indent=1).encode()}
     if signature is not None:
         members[SIGNATURE] = signature
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for name, data in members.items():
             archive.writestr(name, data)
     os.replace(tmp, out)
-    names = {"parameters_and_buffers": exported.names, "state_dict_prefix": "program."}
-    names_path(out).write_text(json.dumps(names, indent=1) + "\n")
     return out
 
 
@@ -228,25 +248,34 @@ def make_keys(prefix: str | Path) -> tuple[Path, Path]:
 
 
 def describe(path: str | Path, trusted_key: str | Path | None = None) -> str:
-    """`fast inspect`: what a package holds, checked, without training."""
+    """`fast inspect`: what a package holds, checked, without training (every string from the package shown with
+    its control characters escaped)."""
     package = read_package(path, trusted_key)
     schema, manifest = package.schema, package.manifest
     if package.signed_by is None:
         signer = "not signed"
     else:
         signer = f"ed25519 {package.signed_by}" + (" (verified)" if trusted_key else " (not verified: pass --trust)")
+    calls = sorted({name for graph in package.graphs.values() for name in graph.operators})
     lines = [
-        f"package {package.path} (format {manifest['format']}, FAST {manifest.get('fast')}, "
-        f"torch {manifest.get('torch')}); signer: {signer}",
+        f"package {package.path} (format {manifest['format']}, FAST {_shown(manifest.get('fast'))}, "
+        f"torch {_shown(manifest.get('torch'))}); signer: {signer}",
         f"input: {schema['input']['dtype']} {tuple(schema['input']['shape'])} per sample; "
         f"label: {schema['label']['kind']}, {schema['label']['dtype']} {tuple(schema['label']['shape'])}",
-        f"metrics: {', '.join(['loss', *schema['metrics']])}; open keys: {', '.join(schema['open']) or 'data only'}",
+        f"metrics: {', '.join(['loss', *schema['metrics']])}",
+        f"opened by the author: {', '.join(schema['open']) or 'none'}; fixed: {', '.join(schema['fixed']) or 'none'}",
+        f"operators ({len(calls)}, all on the allow-list): {', '.join(calls)}",
         "members:",
         *(f"  {name:<13} {len(data):>10,} B  sha256 {sha256(data)}" for name, data in package.members.items()),
         "config:",
-        *(f"  {line}" for line in package.members["config.toml"].decode().strip().splitlines()),
+        *(f"  {_shown(line)}" for line in package.members["config.toml"].decode().strip().splitlines()),
     ]
     return "\n".join(lines)
+
+
+def _shown(text: Any) -> str:
+    """`text` as printable characters only (a package's strings must not drive the owner's terminal)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def load_trained(model: nn.Module, weights: str | Path, package: str | Path) -> nn.Module:

@@ -21,7 +21,7 @@ from fast.errors import ConfigError
 from fast.factories import add_search_path
 from fast.jobs.loop import UserCode, datasets, train_worker
 from fast.runtime.job import default_run_dir, prepare_run_dir
-from fast.runtime.launch import Interrupted, launch, launch_elastic
+from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
 from fast.strategies import strategy_class, strategy_for
 
 
@@ -49,8 +49,10 @@ def prepare(
     return config, run_dir
 
 
-def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[str, str] | None = None) -> dict:
-    """Run `fn(*args)` in every process of the run; returns {rank: value}."""
+def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[str, str] | None = None,
+           resume: str = "fast train --resume {run_dir}") -> dict:  # fmt: skip
+    """Run `fn(*args)` in every process of the run; returns {rank: value}. `resume`: the command that continues
+    the run, shown when it is interrupted after a checkpoint."""
     nprocs = config.run.workers + server_count(config)
     if config.run.engine == "simulated":
         return _simulate(fn, config, nprocs, args, extra_env)
@@ -59,7 +61,7 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
     threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
     try:
         if config.run.max_restarts:
-            with _environment(extra_env or {}):
+            with variables_set(extra_env or {}):
                 return launch_elastic(
                     fn, nprocs, args, addr=addr, port=port, threads=threads, max_restarts=config.run.max_restarts
                 )
@@ -69,7 +71,9 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
         )
     except Interrupted as e:
         if any(run_dir.glob("checkpoints/*.pt")):
-            raise Interrupted(f"{e}; continue with: fast train --resume {run_dir}") from None
+            hinted = Interrupted(f"{e}; continue with: {resume.format(run_dir=run_dir)}")
+            hinted.exit_code = e.exit_code
+            raise hinted from None
         raise
 
 
@@ -86,30 +90,12 @@ def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict
     # this one starts later would run the script again as their __main__
     argv, main = list(sys.argv), sys.modules.get("__main__")
     try:
-        with _environment(extra_env or {}):
+        with variables_set(extra_env or {}):
             return simulate(fn, config, nprocs, args, survivable=strategy_for(config).survives_failures)
     finally:
         sys.argv[:] = argv
         if main is not None:
             sys.modules["__main__"] = main
-
-
-class _environment:
-    """Variables set for the processes the elastic agent starts (it passes the launcher's environment on)."""
-
-    def __init__(self, variables: dict[str, str]) -> None:
-        self.variables, self.saved = variables, {}
-
-    def __enter__(self) -> None:
-        self.saved = {k: os.environ.get(k) for k in self.variables}
-        os.environ.update(self.variables)
-
-    def __exit__(self, *exc: Any) -> None:
-        for key, value in self.saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def train(
@@ -195,7 +181,9 @@ def run_script(
     }
     add_search_path(str(Path(script).resolve().parent))
     env["FAST_CODE_PATH"] = os.environ["FAST_CODE_PATH"]
-    _start(run_script_process, launcher_config, run_dir, (str(Path(script).resolve()), list(argv or [])), env)
+    resume_command = " ".join(["fast run --resume {run_dir}", script, *(argv or [])])
+    _start(run_script_process, launcher_config, run_dir, (str(Path(script).resolve()), list(argv or [])), env,
+           resume_command)  # fmt: skip
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
         return None

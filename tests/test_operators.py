@@ -1,0 +1,137 @@
+"""The operator allow-list and the program runner: a graph runs only allowed operators with allowed arguments, and
+the kernels a fuzz found to crash or to read and write outside their tensors on crafted arguments are refused or
+checked before they run (each case below crashed or corrupted memory when called directly)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fast.errors import PackageError
+from fast.operators import LARGEST_SIZE
+from fast.program import read_graph
+
+
+def _argument(value):
+    """A graph argument as torch.export writes it: a tensor by name ("%x"), a number, a list, or as given."""
+    if isinstance(value, str) and value.startswith("%"):
+        return {"as_tensor": {"name": value[1:]}}
+    if isinstance(value, bool):
+        return {"as_bool": value}
+    if isinstance(value, int):
+        return {"as_int": value}
+    if isinstance(value, float):
+        return {"as_float": value}
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return {"as_tensors": [{"name": v[1:]} for v in value]}
+    if isinstance(value, list):
+        return {"as_ints": value} if all(isinstance(v, int) for v in value) else {"as_floats": value}
+    return value
+
+
+def _graph(nodes: list[tuple], inputs: tuple[str, ...] = ("x",), output: str = "out") -> bytes:
+    """A program of `nodes` ((target, {argument: value}, [output names]), ...) on user inputs `inputs`."""
+
+    def result(target: str, name: str) -> dict:
+        sizes = target == "torch.ops.aten.sym_size.int" or target.startswith("_operator.")
+        return {"as_sym_int": {"as_name": name}} if sizes else {"as_tensor": {"name": name}}
+
+    serialized = [{"target": target, "name": outputs[0],
+                   "inputs": [{"name": k, "arg": _argument(v), "kind": 1} for k, v in arguments.items()],
+                   "outputs": [result(target, o) for o in outputs]}
+                  for target, arguments, outputs in nodes]  # fmt: skip
+    return json.dumps({
+        "schema_version": {"major": 8, "minor": 20},
+        "graph_module": {
+            "graph": {"nodes": serialized, "outputs": [{"as_tensor": {"name": output}}]},
+            "signature": {
+                "input_specs": [{"user_input": {"arg": {"as_tensor": {"name": n}}}} for n in inputs],
+                "output_specs": [{"user_output": {"arg": {"as_tensor": {"name": output}}}}],
+            },
+        },
+    }).encode()  # fmt: skip
+
+
+def test_a_graph_of_allowed_operators_computes_what_torch_does():
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    program = read_graph(_graph([
+        ("torch.ops.aten.linear.default", {"input": "%x", "weight": "%w"}, ["h"]),
+        ("torch.ops.aten.gelu.default", {"self": "%h", "approximate": {"as_string": "tanh"}}, ["g"]),
+        ("torch.ops.aten.sym_size.int", {"self": "%x", "dim": 0}, ["b"]),
+        ("_operator.mul", {"a": {"as_sym_int": {"as_name": "b"}}, "b": 3}, ["n"]),
+        ("torch.ops.aten.reshape.default", {"self": "%g", "shape": {"as_sym_ints": [{"as_name": "n"}]}}, ["out"]),
+    ], inputs=("x", "w")), "test")  # fmt: skip
+    (out,) = program.run({}, x, w)
+    torch.testing.assert_close(out, torch.nn.functional.gelu(x @ w.T, approximate="tanh").reshape(12))
+
+
+@pytest.mark.parametrize(
+    ("target", "arguments", "words"),
+    [
+        # found by the fuzz: null dereference, out-of-bounds reads and writes of the running statistics
+        ("torch.ops.aten.native_batch_norm.default", {"input": "%x"}, "not on FAST's operator allow-list"),
+        ("torch.ops.aten._native_batch_norm_legit.no_stats", {"input": "%x"}, "not on FAST's operator allow-list"),
+        ("torch.ops.aten.native_group_norm.default", {"input": "%x"}, "not on FAST's operator allow-list"),
+        # a strided `out` written as if contiguous
+        ("torch.ops.aten._softmax.out", {"self": "%x", "dim": 0, "half_to_float": False, "out": "%x"}, "(out=)"),
+        ("torch.ops.aten.avg_pool3d.out", {"self": "%x", "kernel_size": [2, 2, 2], "out": "%x"}, "(out=)"),
+        ("torch.ops.aten.triu.out", {"self": "%x", "out": "%x"}, "(out=)"),
+        # an overflowing sum of repeats
+        ("torch.ops.aten.repeat_interleave.Tensor", {"repeats": "%x"}, "whose arguments FAST does not check"),
+        ("torch.ops.aten.repeat_interleave.self_Tensor", {"self": "%x", "repeats": "%x"}, "does not check"),
+        # plain-number overloads (SIGFPE on 5 % 0)
+        ("torch.ops.aten.remainder.int", {"a": 5, "b": 0}, "computes on plain numbers"),
+        # sizes that overflow: a pooling kernel of 2**62 never returns; a group norm of HxW = 2**61 + 3 crashes
+        ("torch.ops.aten.max_pool1d.default", {"self": "%x", "kernel_size": [2**62]}, "a size beyond"),
+        ("torch.ops.aten.zeros.default", {"size": [LARGEST_SIZE + 1]}, "a size beyond"),
+        # files, storages, uninitialised memory, strides over memory
+        ("torch.ops.aten.from_file.default", {"filename": {"as_string": "/etc/passwd"}}, "not on FAST's"),
+        ("torch.ops.aten.empty.memory_format", {"size": [4]}, "not on FAST's operator allow-list"),
+        ("torch.ops.aten.as_strided.default", {"self": "%x", "size": [4], "stride": [1]}, "not on FAST's"),
+        ("torch.ops.aten._print.default", {"s": {"as_string": "hello"}}, "not on FAST's operator allow-list"),
+    ],
+)
+def test_unsafe_operators_and_arguments_are_refused_before_anything_runs(target, arguments, words):
+    with pytest.raises(PackageError, match="^test: ") as error:
+        read_graph(_graph([(target, arguments, ["out"])]), "test")
+    assert words in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("nodes", "inputs", "words"),
+    [
+        # an LSTM state of the wrong batch: the kernel corrupts the heap ("corrupted size vs. prev_size")
+        ([("torch.ops.aten.lstm.input", {"input": "%x", "hx": ["%h", "%h"], "params": ["%w", "%u"],
+           "has_biases": False, "num_layers": 1, "dropout": 0.0, "train": True, "bidirectional": False,
+           "batch_first": False}, ["out", "h1", "c1"])],
+         {"x": torch.ones(2, 3, 4), "h": torch.zeros(1, 2, 5), "w": torch.ones(20, 4), "u": torch.ones(20, 5)},
+         "states of the wrong shape"),
+        # INT64_MIN // -1 rounded towards zero: SIGFPE
+        ([("torch.ops.aten.div.Tensor_mode", {"self": "%x", "other": "%m",
+                                              "rounding_mode": {"as_string": "trunc"}}, ["out"])],
+         {"x": torch.tensor([-(2**63)]), "m": torch.tensor([-1])}, "rounding towards zero"),
+        # negative repeats
+        ([("torch.ops.aten.repeat_interleave.self_int", {"self": "%x", "repeats": -3}, ["out"])],
+         {"x": torch.ones(3)}, "negative repeats"),
+        # a size computed past the bound from real sizes
+        ([("torch.ops.aten.sym_size.int", {"self": "%x", "dim": 0}, ["b"]),
+          ("_operator.mul", {"a": {"as_sym_int": {"as_name": "b"}}, "b": 2**30}, ["n"]),
+          ("torch.ops.aten.zeros.default", {"size": {"as_sym_ints": [{"as_name": "n"}]}}, ["out"])],
+         {"x": torch.ones(4)}, "computes a size of 4294967296"),
+    ],
+)  # fmt: skip
+def test_kernels_that_trust_their_arguments_are_checked_before_they_run(nodes, inputs, words):
+    program = read_graph(_graph(nodes, inputs=tuple(inputs)), "test")
+    with pytest.raises(PackageError, match=words):
+        program.run({}, *inputs.values())
+
+
+def test_a_value_used_before_it_is_made_or_made_twice_is_refused():
+    twice = [("torch.ops.aten.relu.default", {"self": "%x"}, ["out"]),
+             ("torch.ops.aten.relu.default", {"self": "%x"}, ["out"])]  # fmt: skip
+    early = [("torch.ops.aten.relu.default", {"self": "%later"}, ["out"])]
+    for nodes in (twice, early):
+        with pytest.raises(PackageError, match="is not a graph torch.export wrote"):
+            read_graph(_graph(nodes), "test")
