@@ -22,6 +22,16 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
+def resolved(addr: str) -> str:
+    """`addr` (run.master_addr, MASTER_ADDR) once it is known to resolve; ConfigError naming it otherwise."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"run.master_addr {addr!r} does not resolve ({e}): give an address or a name this machine "
+                          "knows, or leave it at 127.0.0.1 for a run on this machine") from None  # fmt: skip
+    return addr
+
+
 def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((addr, 0))

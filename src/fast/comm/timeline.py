@@ -161,8 +161,8 @@ def shares(seconds: dict[str, float], wall_s: float) -> dict[str, float]:
     return {**found, "other": round(max(0.0, 1.0 - sum(found.values())), 4)}
 
 
-def write_chrome_trace(path: Path, parts: list[Path]) -> None:
-    """One trace file from the processes' parts (each a JSON list of events), its clock starting at the first."""
+def chrome_trace(parts: list[Path]) -> str:
+    """One trace (JSON) of the processes' parts (each a JSON list of events), its clock starting at the first."""
     events: list[dict[str, Any]] = []
     for part in parts:
         events += json.loads(part.read_text())
@@ -171,4 +171,4 @@ def write_chrome_trace(path: Path, parts: list[Path]) -> None:
         if "ts" in event:
             event["ts"] = round(event["ts"] - origin, 3)
             event["dur"] = round(event["dur"], 3)
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

@@ -29,12 +29,12 @@ def _simulated_seconds(value: str | float) -> float | None:
 class Section(BaseModel):
     """A config table: unknown keys are errors, values are checked, not coerced from strings."""
 
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
     name: str = "fast"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     workers: int = Field(4, ge=1, le=256)
     epochs: float = Field(3, gt=0)
     batch_size: int = Field(64, ge=1)
@@ -60,9 +60,11 @@ class RunConfig(Section):
     )
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
     max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
-    deadline_s: float = Field(60.0, gt=0, description="deadline of every blocking communication call")
+    deadline_s: float = Field(
+        60.0, gt=0, le=1e6, description="deadline of every blocking communication call (gloo counts it in 32 bits)"
+    )
     max_bad_steps: int = Field(10, ge=1, description="stop after this many NaN/Inf steps in a row on a worker")
-    threads_per_worker: int = Field(0, ge=0, description="torch threads per worker; 0 = cores / workers")
+    threads_per_worker: int = Field(0, ge=0, le=1024, description="torch threads per worker; 0 = cores / workers")
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (gradient accumulation)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description='"bf16": forward and loss under bf16 autocast')
     tensorboard: bool = Field(False, description="TensorBoard event files in <run>/tensorboard")
@@ -190,9 +192,9 @@ class DataConfig(FactorySection):
     partition: Literal["iid", "dirichlet"] = "iid"
     alpha: float = Field(0.5, gt=0)
     dir: str | None = Field(None, description="folder of the idx files; default $FAST_DATA_DIR or the Debian one")
-    synthetic_train: int = Field(2048, ge=16)
-    synthetic_test: int = Field(512, ge=16)
-    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per worker (generic datasets)")
+    synthetic_train: int = Field(2048, ge=16, le=1_000_000)
+    synthetic_test: int = Field(512, ge=16, le=1_000_000)
+    loader_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per worker (generic datasets)")
 
 
 class ModelConfig(FactorySection):
@@ -339,10 +341,18 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def load_dict(path: str | Path) -> dict[str, Any]:
+    """A TOML file's tables; ConfigError, in one line, for a path that is not a readable UTF-8 TOML file."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a folder: give the path of a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist: give the path of a TOML file")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is not): TOML files are UTF-8; save it as "
+                          "UTF-8") from None  # fmt: skip
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror}): give a file you can read") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None

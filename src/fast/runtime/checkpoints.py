@@ -22,7 +22,6 @@ run may.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -30,24 +29,15 @@ from typing import Any
 import torch
 
 from fast.comm import Comm
+from fast.runtime import files
 
 KEEP = 2  # checkpoints kept per process: the newest, and the one before in case another process lacks the newest
 
 
 def save_atomic(obj: Any, path: Path) -> None:
     """torch.save to a temporary file beside `path`, flushed to disk, then renamed: a reader finds the old file
-    or the new one, never half of one (a failed save leaves the old file and no temporary one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    or the new one, never half of one (a failed save leaves the old file and no temporary one; fast.runtime.files)."""
+    files.save(obj, path)
 
 
 def _kind(server: bool) -> str:

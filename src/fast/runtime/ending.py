@@ -26,11 +26,12 @@ from torch import nn
 
 import fast
 from fast.comm import tags, timing
-from fast.comm.timeline import shares, write_chrome_trace
+from fast.comm.timeline import chrome_trace, shares
 from fast.emulation.deployment import describe as describe_deployment
 from fast.emulation.deployment import emulated, record_of
 from fast.errors import CommError, ConfigError, UsageError
 from fast.runtime import checkpoints as checkpoint
+from fast.runtime import files
 from fast.runtime.evaluation import metrics_of
 from fast.strategies.base import pick_replica
 from fast.targets import best
@@ -80,18 +81,33 @@ def first_notices(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def write_outputs(
     run_dir: Path, everyone: list[dict[str, Any]], model: nn.Module | None, summary: dict[str, Any]
 ) -> dict[str, Any]:
-    """Worker 0 writes metrics.jsonl (every process's records), model.pt and summary.json, each atomically."""
+    """Worker 0 writes metrics.jsonl (every process's records), model.pt and summary.json, each atomically. One
+    the disk refuses (full, read-only) does not keep the others from being written; the first refusal is raised
+    after them, and the summary lists what is missing (`unwritten`)."""
     records = sorted((r for p in everyone for r in p["records"]), key=lambda r: (r["time_s"], r["worker"]))
-    tmp = run_dir / "metrics.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, run_dir / "metrics.jsonl")
+    outputs: list[tuple[str, Any]] = [
+        ("metrics.jsonl", lambda: files.write_text(run_dir / "metrics.jsonl",
+                                                   "".join(json.dumps(r) + "\n" for r in records))),
+    ]  # fmt: skip
     if model is not None:
-        checkpoint.save_atomic({k: v.detach().cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt")
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        outputs.append(("model.pt", lambda: checkpoint.save_atomic(state, run_dir / "model.pt")))
     if summary.get("config", {}).get("run", {}).get("trace"):
-        write_chrome_trace(run_dir / "trace.json", sorted((run_dir / "workers").glob("trace-*.json")))
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, run_dir / "summary.json")
+        traces = sorted((run_dir / "workers").glob("trace-*.json"))
+        outputs.append(("trace.json", lambda: files.write_text(run_dir / "trace.json", chrome_trace(traces))))
+    refused: list[files.OutputError] = []
+    for name, write in outputs:
+        try:
+            write()
+        except files.OutputError as error:
+            refused.append(error)
+            summary.setdefault("unwritten", []).append(name)
+    try:
+        files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    except files.OutputError as error:
+        refused.append(error)
+    if refused:
+        raise refused[0]
     return summary
 
 

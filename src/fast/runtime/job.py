@@ -16,13 +16,14 @@ worker. Rank 0 writes the run folder; every process streams its own metrics to i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -43,7 +44,7 @@ from fast.emulation.wire import place
 from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
 from fast.optim import build_schedule
-from fast.runtime import control
+from fast.runtime import control, files
 from fast.runtime.checkpoints import Checkpointing
 from fast.runtime.clock import Clock
 from fast.runtime.control import Control
@@ -52,6 +53,7 @@ from fast.runtime.evaluation import Evaluating
 from fast.runtime.launch import name_process
 from fast.runtime.loader import ShardedLoader
 from fast.runtime.records import Records
+from fast.runtime.run_folder import claim, new_folder, release
 from fast.runtime.steps import StepDriver
 from fast.strategies import Strategy, StrategyContext, build_strategy
 from fast.strategies.base import ModelLayout
@@ -76,8 +78,11 @@ def unfinished() -> Job | None:
 
 
 def default_run_dir(config: Config) -> Path:
-    stamp = os.environ.get("TORCHELASTIC_RUN_ID") if engine.under_torchrun() else None
-    return Path("runs") / f"{config.run.name}-{stamp or time.strftime('%Y%m%d-%H%M%S')}"
+    """runs/NAME-TIME, made now and no other run's (see run_folder); under torchrun, runs/NAME-RUN_ID, the same on
+    every rank."""
+    if engine.under_torchrun():
+        return Path("runs") / f"{config.run.name}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
+    return new_folder(Path("runs"), config.run.name)
 
 
 def resolve_config(config: Any = None, **overrides: Any) -> Config:
@@ -118,6 +123,8 @@ def init(
     if alone:
         config = _alone(config)
     run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or default_run_dir(config))
+    if alone:  # no launcher holds the folder for this run: the script itself does
+        claim(run_dir)
     job = Job(config, run_dir, resume=bool(resume_dir), alone=alone)
     _current.set(job)
     if job.is_server:
@@ -139,9 +146,10 @@ def _alone(config: Config) -> Config:
             file=sys.stderr,
         )
         config = load_config(config, run__workers=1)
-    store = Path(tempfile.mkdtemp(prefix="fast-alone-")) / "store"
+    folder = tempfile.mkdtemp(prefix="fast-alone-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    os.environ["FAST_STORE_FILE"] = str(store)
+    os.environ["FAST_STORE_FILE"] = str(Path(folder) / "store")
     return config
 
 
@@ -151,7 +159,7 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool) -> None:
     if not resume:
         for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
             stale.unlink(missing_ok=True)
-    (run_dir / "config.toml").write_text(config.to_toml())
+    files.write_text(run_dir / "config.toml", config.to_toml())
 
 
 class Job(Evaluating, Checkpointing, Ending):
@@ -519,6 +527,8 @@ class Job(Evaluating, Checkpointing, Ending):
         self.records.close()
         if not self.simulated:
             engine.stop()
+        if self.alone:
+            release(self.run_dir)
         if _current.get() is self:
             _current.set(None)
 

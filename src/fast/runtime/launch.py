@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -29,7 +30,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fast.comm import bootstrap as engine
-from fast.errors import CommError, FastError
+from fast.errors import CommError, ConfigError, FastError
 from fast.interrupts import Stopped, held_interrupts, how_interrupted
 from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
 
@@ -84,7 +85,10 @@ def name_process(title: str) -> None:
         pass
 
 
-def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, results: Any) -> None:
+def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, result: Any) -> None:
+    """A process of the run: `fn(*args)`, its value or its failure sent through `result` (this process's pipe;
+    plain pickle copies tensors, where multiprocessing's own would share them through descriptors that vanish when
+    this process exits: a local pipe between our own processes, not the wire)."""
     _die_with_parent()
     name_process(f"fast worker {rank}")
     os.environ.clear()
@@ -92,18 +96,16 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
     watch_launcher()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
     try:
-        # plain pickle copies tensors (the queue's own pickler would share them through file descriptors
-        # that vanish when this process exits); this is a local pipe between our own processes, not the wire
-        results.put((rank, "ok", pickle.dumps(fn(*args))))
+        result.send_bytes(pickle.dumps(fn(*args)))
     except SystemExit as e:  # a server's end (fast.init), or a script's sys.exit
         if e.code in (None, 0):
-            results.put((rank, "ok", pickle.dumps(None)))
+            result.send_bytes(pickle.dumps(None))
             return
         code = e.code if isinstance(e.code, int) else 1
-        results.put((rank, "error", pickle.dumps(Failure(f"exited with code {code}", code))))
+        result.send_bytes(pickle.dumps(Failure(f"exited with code {code}", code)))
         raise SystemExit(code) from None
     except BaseException as e:  # report every failure as one line to the launcher
-        results.put((rank, "error", pickle.dumps(failure_of(e))))
+        result.send_bytes(pickle.dumps(failure_of(e)))
         raise SystemExit(1) from None
 
 
@@ -169,12 +171,12 @@ def launch(
     others are not stopped; rank 0 (which writes the outputs) must end well."""
     scratch = new_scratch()
     procs: list[Any] = []
+    results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
     outputs: dict[int, Any] = {}
     exited: dict[int, int] = {}  # processes that ended by themselves, with their exit codes
     interrupt: KeyboardInterrupt | None = None
     try:
         ctx = _context()
-        results = ctx.SimpleQueue()
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"
@@ -194,43 +196,50 @@ def launch(
             }
             # the whole environment travels: a forked worker would otherwise see the fork server's, not ours
             env = {**os.environ, **{k: v for k, v in env.items() if v}}
-            proc = ctx.Process(target=_child, args=(fn, rank, env, args, results), name=f"fast-worker-{rank}")
+            reader, writer = ctx.Pipe(duplex=False)  # a pipe per process: no lock, nothing in /dev/shm
+            proc = ctx.Process(target=_child, args=(fn, rank, env, args, writer), name=f"fast-worker-{rank}")
             with held_interrupts():  # a process half started could be neither stopped nor left to run
                 proc.start()
                 procs.append(proc)
+            writer.close()
+            results[reader] = rank
         pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
         settle_until: float | None = None
         while pending:
             timeout = None if settle_until is None else max(0.0, settle_until - time.monotonic())
             # read results as they come: a child blocks on a full pipe until its result is read
-            ready_list = wait([*pending, results._reader], timeout)
+            ready_list = wait([*pending, *results], timeout)
             if not ready_list:
                 break
             for ready in ready_list:
-                if ready is not results._reader:
-                    rank, proc = pending.pop(ready)
-                    proc.join()
-                    exited[rank] = proc.exitcode
-                    fatal = not survivable or rank == 0
-                    if proc.exitcode != 0 and fatal and settle_until is None:
-                        settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
-                    elif survivable and rank == 0 and proc.exitcode == 0 and settle_until is None:
-                        # rank 0 wrote the outputs and released the survivors; those it gave up (dead, or frozen:
-                        # alive but not answering) are stopped now, any other after the grace period
-                        outputs.update(_drain(results))
-                        for lost in _given_up(outputs.get(0), len(procs)):
-                            _stop([procs[lost]], grace_s=0.0)
-                        settle_until = time.monotonic() + SURVIVOR_GRACE_S
-                outputs.update(_drain(results))
+                if ready in results:
+                    outputs.update(_receive(results, ready))
+                if ready not in pending:  # a pipe, read now or by a drain earlier in this round
+                    continue
+                rank, proc = pending.pop(ready)
+                proc.join()
+                exited[rank] = proc.exitcode
+                fatal = not survivable or rank == 0
+                if proc.exitcode != 0 and fatal and settle_until is None:
+                    settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
+                elif survivable and rank == 0 and proc.exitcode == 0 and settle_until is None:
+                    # rank 0 wrote the outputs and released the survivors; those it gave up (dead, or frozen:
+                    # alive but not answering) are stopped now, any other after the grace period
+                    outputs.update(_drain(results))
+                    for lost in _given_up(outputs.get(0), len(procs)):
+                        _stop([procs[lost]], grace_s=0.0)
+                    settle_until = time.monotonic() + SURVIVOR_GRACE_S
         outputs.update(_drain(results))
     except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: SIGTERM or SIGHUP
         interrupt = e
     finally:
         _stop(procs)
         remove_scratch(scratch)
+        outputs.update(_drain(results))  # what the last ones said while they were stopped
+        for reader in results:
+            reader.close()
     if interrupt is not None:
         raise interrupted(interrupt) from None
-    outputs.update(_drain(results))  # what the last ones said while they were stopped
     if survivable and not isinstance(outputs.get(0), Failure) and exited.get(0) == 0:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, exited)
@@ -389,6 +398,12 @@ def launch_elastic(
             outputs = elastic_launch(config, _elastic_child)(fn, threads, args, env)
     except KeyboardInterrupt as e:  # the agent has stopped every worker
         raise interrupted(e) from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise ConfigError("run.max_restarts: torch's elastic agent keeps its locks in /dev/shm, which is full: free "
+                          "some, give the machine or container more shared memory (docker run --shm-size), or "
+                          "leave run.max_restarts at 0") from None  # fmt: skip
     except SignalException as e:
         raise interrupted(Stopped(e.sigval) if e.sigval != signal.SIGINT else KeyboardInterrupt()) from None
     except ChildFailedError as e:
@@ -412,11 +427,22 @@ def launch_elastic(
     return {rank: pickle.loads(value) for rank, value in outputs.items()}
 
 
-def _drain(results: Any) -> dict[int, Any]:
-    out = {}
-    while not results.empty():
-        rank, _, value = results.get()
-        out[rank] = pickle.loads(value)
+def _receive(results: dict[Any, int], reader: Any) -> dict[int, Any]:
+    """{rank: value} of the process whose pipe `reader` is, or {} when it closed without a word (then forgotten)."""
+    rank = results.pop(reader)
+    try:
+        return {rank: pickle.loads(reader.recv_bytes())}
+    except (EOFError, OSError):
+        return {}
+    finally:
+        reader.close()
+
+
+def _drain(results: dict[Any, int]) -> dict[int, Any]:
+    """What the processes have sent and not yet been read."""
+    out: dict[int, Any] = {}
+    for reader in [r for r in results if r.poll()]:
+        out.update(_receive(results, reader))
     return out
 
 

@@ -120,7 +120,14 @@ class ShardedLoader:
             else:
                 cut = partition(torch.zeros(len(dataset)), workers, "iid", seed=seed)
             self.shard = cut[min(job.rank, workers - 1)] if job.is_worker else cut[0][:0]
-            self.steps_per_epoch = max(1, min(len(s) for s in cut) // batch_size)
+            smallest = min(len(s) for s in cut)
+            if batch_size > smallest:
+                raise ConfigError(
+                    f"batch size {batch_size} (run.batch_size, or job.loader's) is larger than the smallest worker's "
+                    f"shard, {smallest} of the {len(dataset)} samples: use a batch of at most {smallest}, or fewer "
+                    "workers"
+                )
+            self.steps_per_epoch = smallest // batch_size
         self.tensors = getattr(dataset, "tensors", None) if collate_fn is None else None
         self.epoch: int | None = None  # the epoch of the last pass
         self.taken = 0  # batches of it handed out

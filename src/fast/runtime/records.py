@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fast.runtime import files
 from fast.runtime.progress import Progress
 
 
@@ -30,9 +31,7 @@ class Records:
 
     def add(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        with self.file.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        files.append_line(self.file, json.dumps(record))
         if self.progress is not None:
             self.progress.update(record)
         if self.writer is not None:

@@ -28,6 +28,8 @@ from fast.config import Config, load_dict
 from fast.errors import ConfigError, DataError, FastError
 from fast.factories import add_search_path
 from fast.jobs.datasets import load_dataset
+from fast.runtime.launch import Interrupted
+from fast.runtime.run_folder import claimed, new_folder
 from fast.targets import Target
 from fast.tools.report import build_report, load_run, summary_rows, write_summary_csv
 from fast.tools.report.html import configured_targets
@@ -146,7 +148,8 @@ def _check_data(planned: list[Variant]) -> None:
 
 
 def default_out_dir(source: str | Path | dict[str, Any]) -> Path:
-    return Path("runs") / f"{_base_name(source)}-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    """runs/NAME-compare-TIME, made now and no other comparison's."""
+    return new_folder(Path("runs"), f"{_base_name(source)}-compare")
 
 
 def _base_name(source: str | Path | dict[str, Any]) -> str:
@@ -176,7 +179,12 @@ def compare(
         add_search_path(str(Path(source).resolve().parent))  # the config's own modules ([model] factory, ...)
     planned = plan(source, **overrides)
     out_dir = Path(out) if out is not None else default_out_dir(source)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with claimed(out_dir):
+        return _compare(source, out_dir, planned, console, overrides)
+
+
+def _compare(source: str | Path | dict[str, Any], out_dir: Path, planned: list[Variant], console: Console,
+             overrides: dict[str, Any]) -> Comparison:  # fmt: skip
     _keep_config(source, overrides, out_dir / CONFIG_COPY)
     title = f"FAST comparison: {_base_name(source)}"
     outcomes: list[Outcome] = []
@@ -194,7 +202,7 @@ def compare(
                 outcomes.append(outcome)
                 console.print(_verdict(outcome, time.monotonic() - variant_started), highlight=False)
                 report, rows = write_report(out_dir, [o.run_dir for o in outcomes], title=title)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):  # Ctrl-C, SIGTERM or SIGHUP
         kept = f"; the report of those is {report.resolve()}" if report is not None else ""
         console.print(f"interrupted after {len(outcomes)} of {len(planned)} variants{kept}", highlight=False)
         raise
@@ -225,6 +233,8 @@ def _run_variant(variant: Variant, run_dir: Path, interrupt: _RememberInterrupt)
     _clear_outputs(run_dir)
     try:
         train(variant.config, out=run_dir)
+    except Interrupted:  # Ctrl-C, SIGTERM or SIGHUP stops the comparison
+        raise
     except Exception as error:  # any failure of one variant is recorded; the comparison goes on
         if interrupt.seen:  # the launcher turns Ctrl-C into a failed run: stop the comparison instead
             raise KeyboardInterrupt from None

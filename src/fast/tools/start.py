@@ -22,6 +22,7 @@ from fast.factories import add_search_path
 from fast.jobs.loop import UserCode, datasets, train_worker
 from fast.runtime.job import default_run_dir, prepare_run_dir
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
+from fast.runtime.run_folder import check_folder, claim, claimed, release
 from fast.strategies import strategy_class, strategy_for
 
 
@@ -32,7 +33,8 @@ def server_count(config: Config) -> int:
 def prepare(
     config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None, **overrides: Any
 ) -> tuple[Config, Path]:
-    """The validated config and its run folder (with config.toml written); nothing is started."""
+    """The validated config and its run folder (with config.toml written, and held by this process until
+    `run_folder.release`); nothing is started."""
     if isinstance(config, str | Path) and Path(config).is_file():
         add_search_path(str(Path(config).resolve().parent))
     if resume is not None:
@@ -43,8 +45,11 @@ def prepare(
     else:
         config = load_config(config, **overrides)
         run_dir = Path(out) if out is not None else default_run_dir(config)
+    check_folder(run_dir)
     if config.data.factory is None:
         datasets(config)  # a data set that is not installed fails here, before anything starts
+    if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
+        claim(run_dir)  # before anything in it is cleared: another live run may hold it
     prepare_run_dir(config, run_dir, resume is not None)
     return config, run_dir
 
@@ -57,7 +62,7 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
     if config.run.engine == "simulated":
         return _simulate(fn, config, nprocs, args, extra_env)
     addr = config.run.master_addr
-    port = config.run.master_port or engine.free_port(addr)
+    port = config.run.master_port or engine.free_port(engine.resolved(addr))
     threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
     try:
         if config.run.max_restarts:
@@ -114,7 +119,10 @@ def train(
         if config.run.engine == "simulated":
             raise ConfigError('run.engine = "simulated" runs every worker in one process: start it without torchrun')
         return train_worker(config, run_dir, user, resume is not None) or {}
-    outputs = _start(train_worker, config, run_dir, (config, run_dir, user, resume is not None))
+    try:
+        outputs = _start(train_worker, config, run_dir, (config, run_dir, user, resume is not None))
+    finally:
+        release(run_dir)
     summary = outputs[0]
     summary["run_dir"] = str(run_dir)
     return summary
@@ -166,13 +174,14 @@ def run_script(
         raise ConfigError(f"fast run: script {script} does not exist: give the path of a Python file")
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"fast run --config {config}: no such file: give the path of a TOML file or a package")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"fast run --workers {workers}: a run needs at least 1 worker")
     dotted = {k.replace("__", "."): v for k, v in overrides.items()}
     base = _launcher_view(config, overrides)
     workers = workers or base.run.workers
     dotted["run.workers"] = workers
     launcher_config = load_config(base, run__workers=workers)
     run_dir = Path(resume or out or default_run_dir(launcher_config))
-    run_dir.mkdir(parents=True, exist_ok=True)
     env = {
         "FAST_OVERRIDES": json.dumps(dotted),
         "FAST_RUN_DIR": str(run_dir.resolve()),
@@ -182,8 +191,9 @@ def run_script(
     add_search_path(str(Path(script).resolve().parent))
     env["FAST_CODE_PATH"] = os.environ["FAST_CODE_PATH"]
     resume_command = " ".join(["fast run --resume {run_dir}", script, *(argv or [])])
-    _start(run_script_process, launcher_config, run_dir, (str(Path(script).resolve()), list(argv or [])), env,
-           resume_command)  # fmt: skip
+    with claimed(run_dir):
+        _start(run_script_process, launcher_config, run_dir, (str(Path(script).resolve()), list(argv or [])), env,
+               resume_command)  # fmt: skip
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
         return None
