@@ -87,7 +87,7 @@ def finish(eval_fn: Any = None) -> dict[str, Any] | None:
 
 def pack(config: Any, out: str, **options: Any) -> Any:
     """`fast pack`: export `config`'s job (model, loss, weights, resolved config) into the archive `out`, which
-    trains without its source; `sign=`, `open_keys=`, `metric=` and dotted overrides as in
+    trains without its source; `sign=`, `open_keys=`, `fixed_keys=`, `metric=` and dotted overrides as in
     `fast.tools.pack.pack`. Returns the archive's path."""
     from fast.tools.pack import pack as _pack
 
