@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from fast.comm import bootstrap as engine
 from fast.runtime import checkpoints as checkpoint
 from fast.tools.cli import main
+from tests.processes import in_session
 
 FAST = str(Path(sys.executable).with_name("fast"))  # the command line of this venv
 EVERY = 50  # checkpoint_every: Ctrl-C comes after the checkpoint of step 50, long before the one of step 100
@@ -32,18 +32,6 @@ JOB = {
 
 def _sets(options: dict) -> list[str]:
     return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
-
-
-def left_in_session(sid: int) -> list[str]:
-    """Live processes of session `sid` (the command and everything it started, however far down)."""
-    left = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:160]}")
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return left
 
 
 def _steps(run: Path, rank: int) -> list[int]:
@@ -87,9 +75,9 @@ def test_ctrl_c_stops_every_process_at_once_with_one_line_and_the_run_resumes_on
     hint = f"; continue with: fast train --resume {run}"
     assert err.splitlines() == [f"fast: error: interrupted (Ctrl-C): every worker was stopped{hint}"], err
     stop = time.monotonic() + 5
-    while left_in_session(proc.pid) and time.monotonic() < stop:
+    while in_session(proc.pid) and time.monotonic() < stop:
         time.sleep(0.1)
-    assert not left_in_session(proc.pid)
+    assert not in_session(proc.pid)
     # the work done so far is kept: each worker's metrics, step by step, and its checkpoint of step 50
     for rank in (0, 1):
         steps = _steps(run, rank)

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.processes import in_session
+
 FAST = str(Path(sys.executable).with_name("fast"))
 LONG = ["--set", "data.name=digits", "--set", "run.workers=2", "--set", "run.epochs=1000", "--set",
         "run.batch_size=32", "--set", "run.eval_every=0"]  # fmt: skip
@@ -47,18 +49,6 @@ name = "sync"
 name = "gossip"
 strategy = { name = "gossip" }
 """
-
-
-def in_session(sid: int) -> list[str]:
-    """Live processes of session `sid`: the command and everything it started, however far down."""
-    left = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:120]}")
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return left
 
 
 def scratch_of(pid: int) -> list[str]:

@@ -237,36 +237,48 @@ def test_fast_inspect_shows_what_a_package_holds_without_training(packed):
     assert 'name = "sync"' in text
 
 
-def test_what_torch_export_cannot_capture_fails_at_pack_time_in_one_line(tmp_path):
-    (tmp_path / "branchy.py").write_text(
+def refused_pack(tmp_path: Path, forward: str, job: dict | None = None) -> str:
+    """The one-line error of packing a model (a Linear(64, 10) behind `forward`'s body, in a module of the author's
+    beside the config), checked to be one line and to leave no archive."""
+    (tmp_path / "authors_model.py").write_text(
         textwrap.dedent("""
         import torch
         from torch import nn
 
-        class Branchy(nn.Module):
+        class Model(nn.Module):
             def __init__(self):
                 super().__init__()
                 self.linear = nn.Linear(64, 10)
 
             def forward(self, x):
-                if x.sum() > 0:  # data-dependent Python control flow
-                    return self.linear(x.flatten(1))
-                return -self.linear(x.flatten(1))
-
-        def build():
-            return Branchy()
-    """)
+        """)
+        + textwrap.indent(textwrap.dedent(forward), " " * 8)
+        + "\n\ndef build():\n    return Model()\n"
     )
     sys.path.insert(0, str(tmp_path))
     try:
         with pytest.raises(PackageError) as error:
-            pack({"data": {"name": "digits"}, "model": {"factory": "branchy:build"}}, tmp_path / "b.fastjob")
+            pack({**(job or {"data": {"name": "digits"}}), "model": {"factory": "authors_model:build"}},
+                 tmp_path / "m.fastjob")  # fmt: skip
     finally:
         sys.path.remove(str(tmp_path))
-        sys.modules.pop("branchy", None)
-    assert len(str(error.value).splitlines()) == 1 and "the model cannot be packed" in str(error.value)
-    assert "branchy.py:11 in forward" in str(error.value)  # the construct: the author's data-dependent `if`
-    assert not (tmp_path / "b.fastjob").exists()
+        sys.modules.pop("authors_model", None)
+    message = str(error.value)
+    assert len(message.splitlines()) == 1 and "the model cannot be packed" in message
+    assert not (tmp_path / "m.fastjob").exists()
+    return message
+
+
+def test_what_torch_export_cannot_capture_fails_at_pack_time_in_one_line(tmp_path):
+    message = refused_pack(
+        tmp_path,
+        """
+        if x.sum() > 0:  # data-dependent Python control flow
+            return self.linear(x.flatten(1))
+        return -self.linear(x.flatten(1))
+    """,
+    )
+    assert "authors_model.py:12 in forward" in message  # the construct: the author's data-dependent `if`
 
 
 def test_the_owner_cannot_swap_the_model_of_a_package(packed):
