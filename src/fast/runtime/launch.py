@@ -59,10 +59,10 @@ class Interrupted(WorkerFailed):
     exit_code = 130
 
 
-def interrupted(interrupt: BaseException, more: str = "") -> Interrupted:
-    """The error that ends a run `interrupt` stopped (`more`: what to add, e.g. how to resume)."""
+def interrupted(interrupt: BaseException) -> Interrupted:
+    """The error that ends a run `interrupt` (KeyboardInterrupt, Stopped) stopped."""
     how, code = how_interrupted(interrupt)
-    error = Interrupted(f"interrupted ({how}): every worker was stopped{more}")
+    error = Interrupted(f"interrupted ({how}): every worker was stopped")
     error.exit_code = code
     return error
 
@@ -197,12 +197,14 @@ def launch(
             # the whole environment travels: a forked worker would otherwise see the fork server's, not ours
             env = {**os.environ, **{k: v for k, v in env.items() if v}}
             reader, writer = ctx.Pipe(duplex=False)  # a pipe per process: no lock, nothing in /dev/shm
-            proc = ctx.Process(target=_child, args=(fn, rank, env, args, writer), name=f"fast-worker-{rank}")
-            with held_interrupts():  # a process half started could be neither stopped nor left to run
-                proc.start()
-                procs.append(proc)
-            writer.close()
             results[reader] = rank
+            proc = ctx.Process(target=_child, args=(fn, rank, env, args, writer), name=f"fast-worker-{rank}")
+            try:
+                with held_interrupts():  # a process half started could be neither stopped nor left to run
+                    proc.start()
+                    procs.append(proc)
+            finally:
+                writer.close()  # the process has its own copy
         pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
         settle_until: float | None = None
         while pending:

@@ -50,7 +50,11 @@ def prepare(
         datasets(config)  # a data set that is not installed fails here, before anything starts
     if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
         claim(run_dir)  # before anything in it is cleared: another live run may hold it
-    prepare_run_dir(config, run_dir, resume is not None)
+    try:
+        prepare_run_dir(config, run_dir, resume is not None)
+    except BaseException:
+        release(run_dir)
+        raise
     return config, run_dir
 
 
@@ -61,8 +65,8 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
     nprocs = config.run.workers + server_count(config)
     if config.run.engine == "simulated":
         return _simulate(fn, config, nprocs, args, extra_env)
-    addr = config.run.master_addr
-    port = config.run.master_port or engine.free_port(engine.resolved(addr))
+    addr = engine.resolved(config.run.master_addr)
+    port = config.run.master_port or engine.free_port(addr)
     threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
     try:
         if config.run.max_restarts:
