@@ -214,3 +214,14 @@ def test_a_folder_a_live_run_holds_is_refused_to_a_second_run(tmp_path, no_orpha
         f"fast: error: run folder {run.resolve()} belongs to a run that is still going (process {first.pid}): give "
         "another --out, or wait until it ends"
     ]
+
+
+def test_two_elastic_runs_on_one_master_port_both_finish(tmp_path):
+    """A local elastic run meets through files: the port it is given is not bound, so two can share it."""
+    settings = ["data.name=digits", "run.workers=2", "run.epochs=1", "run.eval_every=0", "run.max_restarts=1",
+                "run.master_port=29517"]  # fmt: skip
+    command = [FAST, "train", *(arg for setting in settings for arg in ("--set", setting))]
+    procs = [start([*command, "--out", str(tmp_path / f"run-{i}")], tmp_path) for i in range(2)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert all((tmp_path / f"run-{i}" / "summary.json").is_file() for i in range(2))

@@ -112,6 +112,9 @@ def test_unsafe_operators_and_arguments_are_refused_before_anything_runs(target,
         ([("torch.ops.aten.div.Tensor_mode", {"self": "%x", "other": "%m",
                                               "rounding_mode": {"as_string": "trunc"}}, ["out"])],
          {"x": torch.tensor([-(2**63)]), "m": torch.tensor([-1])}, "rounding towards zero"),
+        # a number where the cell's state goes: the check itself cannot read it
+        ([("torch.ops.aten.gru_cell.default", {"input": "%x", "hx": 1.5, "w_ih": "%x", "w_hh": "%x"}, ["out"])],
+         {"x": torch.ones(3, 4)}, "arguments of the wrong kind or number"),
         # negative repeats
         ([("torch.ops.aten.repeat_interleave.self_int", {"self": "%x", "repeats": -3}, ["out"])],
          {"x": torch.ones(3)}, "negative repeats"),

@@ -156,7 +156,8 @@ class Allowed:
     def __init__(self, name: str, function: Callable[..., Any], types: dict[str, str] | None) -> None:
         self.name, self.function, self.types = name, function, types
         self.positional = types is None  # size arithmetic takes its operands in order
-        self.check = CHECKS.get(name.removeprefix("aten::"))
+        check = CHECKS.get(name.removeprefix("aten::"))
+        self.check = None if check is None else _malformed_is_refused(name, check)
 
     def is_size(self, argument: str) -> bool:
         """Whether `argument` is a size, dimension, count or index (an integer at most LARGEST_SIZE); a slice's
@@ -276,6 +277,18 @@ def _check_truncation(arguments: dict[str, Any]) -> None:
                    (v.is_floating_point() or v.is_complex()) for v in operands)  # fmt: skip
     if arguments.get("rounding_mode") == "trunc" and integers:
         raise PackageError("its graph divides integers rounding towards zero, which FAST does not run: use floor")
+
+
+def _malformed_is_refused(name: str, check: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """`check`, with arguments it cannot even read (a number where a tensor goes, an empty list) refused too."""
+
+    def checked(arguments: dict[str, Any]) -> None:
+        try:
+            check(arguments)
+        except (AttributeError, TypeError, IndexError, KeyError, ValueError):
+            raise PackageError(f"its graph calls {name} with arguments of the wrong kind or number") from None
+
+    return checked
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {  # by operator.overload, before its kernel runs
