@@ -225,3 +225,24 @@ def test_two_elastic_runs_on_one_master_port_both_finish(tmp_path):
     errors = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
     assert all((tmp_path / f"run-{i}" / "summary.json").is_file() for i in range(2))
+
+
+def test_ctrl_z_pauses_every_process_of_the_run_and_fg_resumes_them(tmp_path):
+    run = tmp_path / "run"
+    proc = start([FAST, "train", "--out", str(run), *LONG], tmp_path)
+    try:
+        wait_for_workers(proc)
+        os.killpg(proc.pid, signal.SIGTSTP)  # the terminal's Ctrl-Z reaches the launcher's group only
+        time.sleep(1.0)
+        paused = {p.pid: p.status() for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]}
+        records = (run / "workers" / "metrics-0.jsonl").stat().st_size
+        time.sleep(1.0)
+        grown = (run / "workers" / "metrics-0.jsonl").stat().st_size - records
+        os.killpg(proc.pid, signal.SIGCONT)  # fg
+        time.sleep(1.5)
+        assert (run / "workers" / "metrics-0.jsonl").stat().st_size > records + grown
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert set(paused.values()) == {psutil.STATUS_STOPPED} and len(paused) >= 5 and grown == 0, paused
+    assert proc.returncode == 130 and err.strip().startswith("fast: error: interrupted (Ctrl-C)"), err

@@ -128,30 +128,61 @@ def failure_of(e: BaseException, trace: str | None = None) -> Failure:
 
 def _context() -> Any:
     """Processes forked from a server that has imported torch once: starting a worker costs milliseconds, not
-    the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again. The server
-    starts with Ctrl-C ignored: one pressed while it imports is the launcher's to report, in one line."""
-    from multiprocessing import forkserver
+    the seconds of importing torch (and torch._dynamo, which the first optimizer imports) again. The server (and
+    multiprocessing's resource tracker) start in a process group of their own, and so do the workers it forks: the
+    terminal's Ctrl-C and Ctrl-Z reach the launcher alone, which stops or pauses its processes itself, so that
+    none of them is cut short while it starts (a traceback, a half-made process)."""
+    from multiprocessing import forkserver, util
 
     ctx = mp.get_context("forkserver")
     preload = [name.strip() for name in os.environ.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
     ctx.set_forkserver_preload(["fast.jobs.loop", "torch._dynamo", *preload])  # one that does not import is skipped
-    with _ignored(signal.SIGINT):
-        forkserver.ensure_running()
+    spawn = util.spawnv_passfds
+    with held_interrupts():
+        util.spawnv_passfds = _spawn_in_a_group_of_its_own
+        try:
+            forkserver.ensure_running()
+        finally:
+            util.spawnv_passfds = spawn
+    _pause_with_the_terminal()
     return ctx
 
 
-@contextlib.contextmanager
-def _ignored(signum: int) -> Iterator[None]:
-    """`signum` ignored meanwhile, in this process and in the processes it starts (which inherit that)."""
+_groups: list[int] = []  # the process groups of this launcher's helpers: the fork server's holds every worker
+
+
+def _spawn_in_a_group_of_its_own(path: str, args: list[str], passfds: tuple[int, ...]) -> int:
+    """multiprocessing's start of a helper process (`util.spawnv_passfds`: `path` with `args`, the descriptors
+    `passfds` passed on), in a new process group."""
+    was = {fd: os.get_inheritable(fd) for fd in passfds}
+    for fd in passfds:
+        os.set_inheritable(fd, True)
     try:
-        previous = signal.signal(signum, signal.SIG_IGN)
-    except ValueError:  # not the main thread: its processes inherit whatever it has
-        yield
-        return
-    try:
-        yield
+        pid = os.posix_spawn(path, list(args), dict(os.environ), setpgroup=0)
     finally:
-        signal.signal(signum, previous)
+        for fd, inheritable in was.items():
+            os.set_inheritable(fd, inheritable)
+    _groups.append(pid)
+    return pid
+
+
+def _pause_with_the_terminal() -> None:
+    """Ctrl-Z (SIGTSTP) pauses the helpers' groups with the launcher; `fg` (SIGCONT) resumes them."""
+
+    def pause(signum: int, frame: Any) -> None:
+        _signal_groups(signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped here until continued
+        _signal_groups(signal.SIGCONT)
+
+    with contextlib.suppress(ValueError):  # not the main thread: the terminal's signals are not handled here
+        if signal.getsignal(signal.SIGTSTP) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTSTP, pause)
+
+
+def _signal_groups(signum: int) -> None:
+    for group in _groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signum)
 
 
 def launch(
@@ -292,8 +323,8 @@ def _elastic_child(fn: Callable[..., Any], threads: int, args: tuple, env: dict[
     os.environ.clear()  # the launcher's environment, not the fork server's, plus what the agent set
     os.environ.update({**env, **agent, "OMP_NUM_THREADS": str(threads)})
     watch_launcher()
-    # Ctrl-C reaches every process of the terminal's group: a worker ends at once and quietly (no traceback);
-    # the agent stops the others and the launcher reports it in one line
+    # the terminal's Ctrl-C reaches the launcher alone (see _context), whose agent stops the workers; a worker
+    # given SIGINT anyway ends at once and quietly (no traceback), and the agent reports it
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     restart = int(agent.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and agent.get("RANK") == "0":
