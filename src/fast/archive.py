@@ -36,13 +36,14 @@ import struct
 import tomllib
 import zipfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fast.errors import PackageError
-from fast.program import Graph, read_graph
+from fast.program import WEIGHT_NAME, Graph, read_graph
 
 FORMAT = 2  # 2: member sizes in the manifest, opened and fixed keys in the schema
 PACKAGE_SUFFIX = ".fastjob"
@@ -55,7 +56,6 @@ CAPS = {MANIFEST: MiB, SIGNATURE: 1024, "config.toml": MiB, "schema.json": MiB, 
 CHUNK = MiB  # bytes decompressed at a time
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (torch.float32, torch.float64, torch.float16,
           torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
-WEIGHT_NAME = re.compile(r"[wb]\d{1,6}")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a metric's
 KEY = re.compile(r"[A-Za-z0-9_.*\-]{1,100}")  # an opened or fixed config key's pattern
 
@@ -87,7 +87,8 @@ def decode_tensors(index: bytes, blob: bytes | bytearray) -> dict[str, torch.Ten
         for entry in entries:
             name, dtype, shape = entry["name"], DTYPES.get(entry["dtype"]), entry["shape"]
             start, size = entry["offset"], entry["bytes"]
-            if not isinstance(name, str) or not WEIGHT_NAME.fullmatch(name) or name in tensors:
+            named = isinstance(name, str) and any(pattern.fullmatch(name) for pattern in WEIGHT_NAME.values())
+            if not named or name in tensors:
                 raise PackageError(f"weights.json names a tensor {str(name)[:40]!r}, not as fast pack names them")
             if dtype is None:
                 raise PackageError(f"weights.json names dtype {str(entry['dtype'])[:20]!r}, which FAST does not read")
@@ -115,11 +116,11 @@ class Package:
     signed_by: str | None  # the public key (hex) that signed it, when a signature is there
     graphs: dict[str, Graph]  # train.json and eval.json, checked against the operator allow-list
 
-    @property
+    @cached_property
     def config(self) -> dict[str, Any]:
         return tomllib.loads(self.members["config.toml"].decode())
 
-    @property
+    @cached_property
     def schema(self) -> dict[str, Any]:
         return json.loads(self.members["schema.json"])
 
@@ -127,22 +128,33 @@ class Package:
         return decode_tensors(self.members["weights.json"], self.members["weights.bin"])
 
 
+_last: tuple[tuple[Any, ...], Package] | None = None  # the package this process read last, and how it was read
+
+
 def read_package(path: str | Path, trusted_key: str | Path | None = None) -> Package:
     """The package at `path`, read as untrusted bytes (see the module's docstring); with `trusted_key` (a PEM
-    public key file) its signature must verify with that key. PackageError, in one line, for anything else."""
+    public key file) its signature must verify with that key. PackageError, in one line, for anything else. The
+    same file (path, size and modification time) with the same key read again is not read twice."""
+    global _last
     path = Path(path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise PackageError(f"package {path} {what}: give the .fastjob file `fast pack` wrote")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, str(trusted_key))
+    if _last is not None and _last[0] == key:
+        return _last[1]
     try:
         with open(path, "rb") as raw:
             _check_directory(path, raw)
             with zipfile.ZipFile(raw) as archive:
-                return _read(path, archive, trusted_key)
+                package = _read(path, archive, trusted_key)
     except (zipfile.BadZipFile, EOFError, OSError) as e:
         raise PackageError(f"package {path} is truncated or not a package ({e}): ask its author for it again") from None
     except (zipfile.error, RuntimeError, NotImplementedError) as e:  # a bad CRC, an encrypted member
         raise PackageError(f"package {path} is damaged ({e}): ask its author for it again") from None
+    _last = (key, package)
+    return package
 
 
 def _check_directory(path: Path, raw: Any) -> None:
@@ -198,9 +210,9 @@ def _read(path: Path, archive: zipfile.ZipFile, trusted_key: str | Path | None) 
         if type(declared) is not int or declared != entries[name].file_size:
             raise PackageError(f"package {path}: member {name} is not the size its manifest declares: do not train it")
     members = {name: _member(path, archive, entries[name], sizes[name], listed[name]) for name in MEMBERS}
-    _check_schema(path, members)
+    schema = _checked_schema(path, members)
     graphs = {name: read_graph(members[name], name) for name in PROGRAMS}
-    _check_programs(path, graphs, members)
+    _check_programs(path, graphs, members, schema)
     return Package(path, members, manifest, signed_by, graphs)
 
 
@@ -229,8 +241,9 @@ def _member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: i
     return bytes(data)
 
 
-def _check_schema(path: Path, members: dict[str, bytes]) -> None:
-    """config.toml is TOML; schema.json describes a batch, metrics and keys as fast pack writes them."""
+def _checked_schema(path: Path, members: dict[str, bytes]) -> dict[str, Any]:
+    """schema.json, once config.toml is known to be TOML and the schema to describe a batch, metrics and keys as
+    fast pack writes them."""
     try:
         tomllib.loads(members["config.toml"].decode())
         schema = json.loads(members["schema.json"])
@@ -244,20 +257,20 @@ def _check_schema(path: Path, members: dict[str, bytes]) -> None:
         ok = False
     if not ok:
         raise PackageError(f"package {path}: its config.toml or schema.json is malformed: ask its author for it again")
+    return schema
 
 
-def _check_programs(path: Path, graphs: dict[str, Graph], members: dict[str, bytes]) -> None:
+def _check_programs(path: Path, graphs: dict[str, Graph], members: dict[str, bytes], schema: dict[str, Any]) -> None:
     """The programs take the weights the package holds, and return what the schema says (the loss; the loss and
     the metrics)."""
     try:
         names = sorted(entry["name"] for entry in json.loads(members["weights.json"]))
-        metrics = json.loads(members["schema.json"])["metrics"]
     except (ValueError, KeyError, TypeError):
         raise PackageError(f"package {path}: weights.json is malformed: ask its author for it again") from None
     for name, graph in graphs.items():
         if sorted(graph.weight_names) != names:
             raise PackageError(f"package {path}: {name} does not take the weights the package holds")
-    if len(graphs["train.json"].outputs) != 1 or len(graphs["eval.json"].outputs) != 1 + len(metrics):
+    if len(graphs["train.json"].outputs) != 1 or len(graphs["eval.json"].outputs) != 1 + len(schema["metrics"]):
         raise PackageError(f"package {path}: its programs do not return the loss and the metrics its schema names")
 
 

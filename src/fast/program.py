@@ -9,6 +9,7 @@ weights and the owner's batch. Nothing else torch.export writes beside them is r
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -115,8 +116,6 @@ class _Reader:
         self.reads: list[str] = []  # the values the node being read uses
 
     def read(self, data: bytes) -> Graph:
-        import json
-
         program = json.loads(data)
         if int(program["schema_version"]["major"]) != SCHEMA_MAJOR:
             raise Malformed(f"its format is version {program['schema_version']['major']}, this FAST reads "

@@ -13,7 +13,6 @@ Python, `fast.train(model_fn=..., step_fn=...)` replaces the model and the step.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,14 +85,9 @@ def _checked_datasets(config: Config) -> tuple[Dataset, Dataset | None]:
     return train, test
 
 
-@functools.cache
-def _read(path: str, trusted_key: str | None) -> Package:
-    return read_package(path, trusted_key)
-
-
 def packaged(config: Config) -> Package:
-    """The packed job the config names (read and checked once per process)."""
-    return _read(config.package.path, config.package.trusted_key)
+    """The packed job the config names (read and checked once per process: fast.archive keeps it)."""
+    return read_package(config.package.path, config.package.trusted_key)
 
 
 def packed_job(config: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
