@@ -37,6 +37,7 @@ def build_config(data: dict[str, Any]) -> Config:
     validate_strategy_options(config)
     check_codec_fits_strategy(config)
     check_deployment(config)
+    check_membership(config)
     return config
 
 
@@ -74,6 +75,39 @@ def world_size(config: Config) -> int:
     """Processes of the run: the workers and the strategy's servers."""
     options = strategy_options(config)
     return config.run.workers + strategy_for(config).server_count(options, config.run.workers)
+
+
+def check_membership(config: Config) -> None:
+    """ConfigError for an elastic run (`run.elastic`) its strategy or its other keys cannot give live membership."""
+    run = config.run
+    if not run.elastic:
+        return
+    strategy = strategy_for(config)
+    if not strategy.joins:
+        from fast.strategies import registry
+
+        taking = ", ".join(sorted(name for name, cls in registry().items() if cls.joins))
+        raise ConfigError(f"run.elastic: strategy {config.strategy.name!r} does not take live membership changes "
+                          f"yet ({strategy.joins_why}); elastic runs take: {taking}")  # fmt: skip
+    refused = {
+        "run.max_restarts": (run.max_restarts, "restarts every worker from a checkpoint: an elastic run heals live"),
+        "run.engine": (run.engine == "simulated", "the simulated engine has no live membership yet"),
+        "[network], [compute] and [faults]": (
+            config.network or config.compute or config.faults,
+            "emulated deployments have no live membership yet",
+        ),
+        "codec.name": (config.codec.name != "none", "a codec's residuals are not reset on a membership change yet"),
+        "run.accumulate": (run.accumulate > 1, "a change of membership falls between whole steps"),
+    }
+    for key, (set_, why) in refused.items():
+        if set_:
+            raise ConfigError(f"run.elastic with {key}: {why}; leave one of them out")
+    if run.min_workers > run.workers:
+        raise ConfigError(f"run.min_workers = {run.min_workers} is more than the {run.workers} workers the run starts "
+                          "with: lower it")  # fmt: skip
+    if run.max_workers and run.max_workers < run.workers:
+        raise ConfigError(f"run.max_workers = {run.max_workers} is fewer than the {run.workers} workers the run "
+                          "starts with: raise it, or 0 for no limit")  # fmt: skip
 
 
 def check_deployment(config: Config) -> None:
@@ -146,8 +180,8 @@ def with_package(data: dict[str, Any]) -> dict[str, Any]:
     to change (fast.ownership)."""
     package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
     base, schema = package.config, package.schema
-    packed = _flat(base)
-    changed = {key: value for key, value in _flat(data).items() if value != packed.get(key)}
+    packed = flat(base)
+    changed = {key: value for key, value in flat(data).items() if value != packed.get(key)}
     check_owner_keys(changed, schema["open"], schema["fixed"])
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for key, value in data.items():
@@ -160,11 +194,12 @@ def with_package(data: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted keys."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,17 @@ def start(
     return make_comm(deadline_s=deadline_s, device=device)
 
 
+def start_group(
+    store: Any, rank: int, world_size: int, device: torch.device, deadline_s: float, counter: Any = None
+) -> Comm:
+    """Form a default process group of `world_size` over `store` (one generation of an elastic run's membership,
+    fast.runtime.live) and return its `Comm`, counting into `counter` (the byte count goes on across groups)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=deadline_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return Comm(deadline_s=deadline_s, device=device, counter=counter)
+
+
 def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:
     try:
         return dist.TCPStore(addr, port, world_size, is_master=host, timeout=timeout)
@@ -92,3 +104,12 @@ def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timed
 def stop() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort() -> None:
+    """Leave a broken group at once (an elastic run's member re-forming): its connections close, so a peer still
+    waiting in one of its collectives fails now rather than at its deadline. Nothing of it is waited for."""
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()

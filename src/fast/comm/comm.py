@@ -17,6 +17,7 @@ Native links never lose one; an emulated lossy or down link may, and the receive
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -34,8 +35,12 @@ class MessageLost(CommError):
     """A message sent with `droppable=True` was lost on an emulated link (never raised by native links)."""
 
 
+INTERRUPT_POLL_S = 0.25  # how often a wait of an interruptible group asks whether to give up
+
+
 class Handle:
-    """A pending operation. `wait()` enforces the deadline and returns the operation's result."""
+    """A pending operation. `wait()` enforces the deadline and returns the operation's result. With
+    `interrupted` (a live membership's groups), the wait also gives up as soon as `interrupted()` says why."""
 
     def __init__(
         self,
@@ -45,9 +50,11 @@ class Handle:
         deadline_s: float,
         result: Any = None,
         on_done: Callable[[], Any] | None = None,
+        interrupted: Callable[[], str | None] | None = None,
     ) -> None:
         self._work, self.op, self.peer, self.deadline_s = work, op, peer, deadline_s
         self._result, self._on_done, self._done = result, on_done, work is None
+        self._interrupted = interrupted
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
@@ -58,7 +65,9 @@ class Handle:
         if not self._done:
             with waiting():
                 try:
-                    self._work.wait(timedelta(seconds=deadline_s))
+                    self._wait(deadline_s)
+                except CommError:
+                    raise
                 except Exception as e:  # the backend's timeout and connection errors both end here
                     raise _comm_error(self.op, self.peer, deadline_s, e) from None
                 self._done = True
@@ -66,6 +75,22 @@ class Handle:
                     out = self._on_done()
                     self._result = out if out is not None else self._result
         return self._result
+
+    def _wait(self, deadline_s: float) -> None:
+        if self._interrupted is None:
+            self._work.wait(timedelta(seconds=deadline_s))
+            return
+        end = time.monotonic() + deadline_s
+        while True:  # a backend's wait that times out can be waited on again (gloo)
+            try:
+                self._work.wait(timedelta(seconds=max(0.001, min(INTERRUPT_POLL_S, end - time.monotonic()))))
+                return
+            except Exception as e:
+                if "timed out" not in str(e).lower() or time.monotonic() >= end:
+                    raise
+            reason = self._interrupted()
+            if reason is not None:
+                raise CommError(f"{self.op} with {self.peer} given up: {reason}")
 
 
 def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
@@ -121,6 +146,8 @@ class Comm:
         self._channels: list[Comm] = []
         # set by the job on its own groups when they share one machine's memory (fast.comm.shared_memory.LocalSums)
         self.local_sums: Any = None
+        # a live membership's groups: why a wait should give up now (a newer membership), or None (Handle)
+        self.interrupted: Callable[[], str | None] | None = None
 
     # -- who ---------------------------------------------------------------------------------------------
     @property
@@ -156,9 +183,11 @@ class Comm:
         return mine
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
-        """A Comm of the same kind over another group, sharing this one's byte counter."""
-        return Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
+        """A Comm of the same kind over another group, sharing this one's byte counter (and interruption)."""
+        comm = Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
                     rank=self.rank, world_size=self._world_size)  # fmt: skip
+        comm.interrupted = self.interrupted
+        return comm
 
     def unmetered(self) -> Any:
         """Context in which traffic is measurement only and is not counted in bytes_sent."""
@@ -168,7 +197,7 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
-        return Handle(work, "send", f"worker {dst}", self.deadline_s)
+        return Handle(work, "send", f"worker {dst}", self.deadline_s, interrupted=self.interrupted)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         peer = f"worker {src}" if src is not None else "any worker"
@@ -179,7 +208,8 @@ class Comm:
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor
 
-        return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
+        peer = f"worker {src}" if src is not None else "any worker"
+        return Handle(work, "recv", peer, self.deadline_s, tensor, done, self.interrupted)
 
     @timeline.timed("send")
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
@@ -192,7 +222,7 @@ class Comm:
     def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
         work = post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
-        Handle(work, "recv", "any worker", self.deadline_s).wait()
+        Handle(work, "recv", "any worker", self.deadline_s, interrupted=self.interrupted).wait()
         peer = sender_of(work, self.group)
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
         return peer
@@ -307,4 +337,4 @@ class Comm:
         right, left = self._ring_neighbours()
         self.counter.add_sent(right, round(nbytes * send_share))
         self.counter.add_received(left, round(nbytes * (send_share if receive_share is None else receive_share)))
-        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done)
+        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted)

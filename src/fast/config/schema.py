@@ -60,6 +60,11 @@ class RunConfig(Section):
     )
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
     max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
+    elastic: bool = Field(
+        False, description="live membership: workers leave and join the running job (`fast join`), healed from a peer"
+    )
+    min_workers: int = Field(1, ge=1, le=256, description="elastic: the run fails when fewer workers remain")
+    max_workers: int = Field(0, ge=0, le=256, description="elastic: joiners beyond this many workers wait; 0 = 256")
     deadline_s: float = Field(
         60.0, gt=0, le=1e6, description="deadline of every blocking communication call (gloo counts it in 32 bits)"
     )

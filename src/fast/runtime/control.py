@@ -18,8 +18,9 @@ from fast.comm import Comm, tags
 from fast.errors import CommError, FastError
 
 AGREE_TAG = tags.AGREE
-STOP, EVALUATE, BATCH = 1, 2, 3
-KINDS = {STOP: "the periodic check on the end of training", EVALUATE: "job.evaluate", BATCH: "the next batch"}
+STOP, EVALUATE, BATCH, MEMBERSHIP = 1, 2, 3, 4
+KINDS = {STOP: "the periodic check on the end of training", EVALUATE: "job.evaluate", BATCH: "the next batch",
+         MEMBERSHIP: "the membership round before a step"}  # fmt: skip
 
 
 @dataclass(frozen=True)

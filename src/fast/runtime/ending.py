@@ -167,7 +167,9 @@ class Ending:
             self.finish()
 
     def _finish_worker(self) -> dict[str, Any] | None:
-        if self.lockstep and self.workers > 1:
+        if self.elastic:  # the members are at the same step: nobody is admitted from here on
+            self._membership_ends()
+        elif self.lockstep and self.workers > 1:
             self._join()
         if self._recorded_at != self.step and self.step > 0:
             self._record()  # the last steps' losses
@@ -414,6 +416,10 @@ class Ending:
             "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }
+        if self.elastic:
+            summary["membership"] = self.membership
+            summary["workers_at_end"] = self.workers
+            summary["catch_up_bytes"] = sum(event["catch_up_bytes"] for event in self.membership)
         for name in metric_names:
             if name not in ("accuracy", "loss"):
                 summary[f"final_test_{name}"] = final.get(f"test_{name}")

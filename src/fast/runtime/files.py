@@ -28,12 +28,13 @@ def _refused(path: Path, error: OSError) -> OutputError:
                        "the run's other files are kept")  # fmt: skip
 
 
-def write_bytes(path: Path, data: bytes) -> None:
-    """`data` at `path`, atomically (see the module); OutputError when the disk refuses it."""
+def write_bytes(path: Path, data: bytes, *, private: bool = False) -> None:
+    """`data` at `path`, atomically (see the module); readable by its owner alone if `private`; OutputError when
+    the disk refuses it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -46,8 +47,8 @@ def write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def write_text(path: Path, text: str) -> None:
-    write_bytes(path, text.encode())
+def write_text(path: Path, text: str, *, private: bool = False) -> None:
+    write_bytes(path, text.encode(), private=private)
 
 
 def save(obj: Any, path: Path) -> None:

@@ -51,6 +51,7 @@ from fast.runtime.control import Control
 from fast.runtime.ending import Ending
 from fast.runtime.evaluation import Evaluating
 from fast.runtime.launch import name_process
+from fast.runtime.live import Live
 from fast.runtime.loader import ShardedLoader
 from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
@@ -162,7 +163,7 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool) -> None:
     files.write_text(run_dir / "config.toml", config.to_toml())
 
 
-class Job(Evaluating, Checkpointing, Ending):
+class Job(Evaluating, Checkpointing, Ending, Live):
     """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
 
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
@@ -172,13 +173,21 @@ class Job(Evaluating, Checkpointing, Ending):
         self.rank, self.world_size = where or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         run = config.run
         self.workers = run.workers
+        # live membership: the rank is the member's id for the run's life, its place in a group changes
+        self.elastic = run.elastic
+        if self.elastic and "FAST_MEMBERSHIP" not in os.environ:
+            raise ConfigError("run.elastic: start the run with `fast train` or `fast run`, whose launcher keeps its "
+                              "membership (not torchrun, nor the script alone)")  # fmt: skip
+        if self.elastic:
+            self.rank = int(os.environ.get("FAST_MEMBER_ID", self.rank))
+            self.world_size = world_size(config)
         expected = world_size(config)
         if self.world_size != expected:
             raise ConfigError(
                 f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
                 "strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes (torchrun) to match"
             )
-        self.is_server = self.rank >= self.workers
+        self.is_server = not self.elastic and self.rank >= self.workers
         self.is_worker = not self.is_server
         self.is_main = self.rank == 0
         self.finished = False
@@ -193,8 +202,12 @@ class Job(Evaluating, Checkpointing, Ending):
         if self.is_main:
             prepare_run_dir(config, run_dir, resume)
         self.device = engine.device_for(run.device)
+        if self.elastic:
+            self._start_membership()  # the world, its group and the control group, from the newest generation
         self.world: Comm = (
-            simulated_world(self.rank, self.device, run.deadline_s)
+            self.world
+            if self.elastic
+            else simulated_world(self.rank, self.device, run.deadline_s)
             if self.simulated
             else engine.start(
                 self.rank,
@@ -210,7 +223,8 @@ class Job(Evaluating, Checkpointing, Ending):
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
-        if run.shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
+        run_shared_memory = run.shared_memory and not self.elastic
+        if run_shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
             for comm in self._own_groups():
                 comm.local_sums = LocalSums(comm)  # made lazily: a sum's memory at the first all-reduce of its size
         self.records = Records(run_dir, self.rank, run.tensorboard)
@@ -230,10 +244,11 @@ class Job(Evaluating, Checkpointing, Ending):
         )
         self.strategy: Strategy = build_strategy(config, self.context)
         point_to_point = self.strategy.survives_failures
-        self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
+        if not self.elastic:
+            self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
         # the end of a run that survives failures: a line on which waiting for a silent process breaks nothing
         self.ending_line = PatientGroup(self.world) if point_to_point else None
-        if not self.simulated:
+        if not self.simulated and not self.elastic:
             # new_group returns on one rank before its peers have connected: a process that ended right after
             # init would break their connecting, so no process leaves init before all are connected
             self.world.barrier()
@@ -245,6 +260,8 @@ class Job(Evaluating, Checkpointing, Ending):
             autocast=self._autocast_factory(),
         )
         self.driver.on_begin = self._step_begins
+        if self.elastic:
+            self.driver.on_failure = self._step_failed
         self._schedule_state: dict[str, Any] | None = None
         self._checkpoint_due = False
         self.model: nn.Module | None = None
@@ -321,7 +338,10 @@ class Job(Evaluating, Checkpointing, Ending):
         self.strategy.setup(model, optimizer)
         self.driver.attach(model, optimizer)
         offset = self._restore() if self.resuming else 0.0
-        self.world.barrier()  # the common start, servers included
+        if self.elastic:  # every member from member 0's state: a founder its first weights, a joiner all of it
+            self._heal(fresh=True)
+        if not self.elastic:  # (the heal was an elastic run's common start)
+            self.world.barrier()  # the common start, servers included
         self.machine.start(self.world)
         self.clock = Clock(offset, self.timeline)
         self.timeline.count_from_now()
@@ -368,6 +388,10 @@ class Job(Evaluating, Checkpointing, Ending):
         the last one cut short) unless run.max_steps or run.max_time ends training first."""
         count = self.config.run.epochs if count is None else count
         self._plan(count)
+        if self.elastic:  # the passes of the data cursor, which a joiner takes up where the run stands
+            while self.data_epoch < math.ceil(count) and not self.stopped:
+                yield self.data_epoch
+            return
         first = self.step // self.steps_per_epoch if self.steps_per_epoch else 0
         for epoch in range(first, math.ceil(count)):
             if self.stopped:
@@ -401,6 +425,8 @@ class Job(Evaluating, Checkpointing, Ending):
         that the run's length may be known."""
         self._flush_checkpoint()
         self._settle()
+        if self.elastic:
+            self._membership_boundary()
         if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
             self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
             if self._schedule_state:
@@ -416,7 +442,9 @@ class Job(Evaluating, Checkpointing, Ending):
             self.schedule.step()
         done = self.step
         self.trained_s = self.clock.now()
-        if self.lockstep and self._check_due(done):
+        if self.elastic:  # the step is taken: the data cursor moves past the batches of every member
+            self.data_cursor += self.workers * self.batch_size
+        elif self.lockstep and self._check_due(done):
             self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
         elif self.strategy.stops_alone and self.config.run.max_time_s is not None:
             self._stopping = self._stopping or self.trained_s >= self.config.run.max_time_s
@@ -523,6 +551,8 @@ class Job(Evaluating, Checkpointing, Ending):
     # -- the process's end -------------------------------------------------------------------------------------------
     def _close(self) -> None:
         self.finished = True
+        if self.elastic:
+            self._close_membership()
         self.driver.detach()
         self.records.close()
         if not self.simulated:

@@ -195,11 +195,13 @@ def launch(
     threads: int = 1,
     extra_env: dict[str, str] | None = None,
     survivable: bool = False,
+    on_exit: Callable[[int, int | None], None] | None = None,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
     With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
-    others are not stopped; rank 0 (which writes the outputs) must end well."""
+    others are not stopped; rank 0 (which writes the outputs) must end well. `on_exit(rank, exit code)` is told
+    of each process as it ends (a live membership's coordinator)."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -252,6 +254,8 @@ def launch(
                 rank, proc = pending.pop(ready)
                 proc.join()
                 exited[rank] = proc.exitcode
+                if on_exit is not None:
+                    on_exit(rank, proc.exitcode)
                 fatal = not survivable or rank == 0
                 if proc.exitcode != 0 and fatal and settle_until is None:
                     settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw

@@ -8,6 +8,10 @@ other datasets go through a `torch.utils.data.DataLoader` (worker processes, pin
 in step, the workers agree after each batch whether all of them have one, so they end an epoch together.
 
 Each pass over the loader is the next epoch. After a resume the first pass skips the batches already done.
+
+An elastic run (`run.elastic`) has no shards: its members share one cursor through each epoch's order (a seeded
+permutation of the whole dataset), and at each step the member of rank r of n takes the r-th of the next n
+batches, so that members may come and go without a sample lost or seen twice (fast.runtime.live).
 """
 
 from __future__ import annotations
@@ -111,7 +115,17 @@ class ShardedLoader:
         self.num_workers = config.data.loader_workers if num_workers is None else num_workers
         self.streaming = isinstance(dataset, IterableDataset)
         self.steps_per_epoch: int | None = None
-        if not self.streaming:
+        if self.streaming and getattr(job, "elastic", False):
+            raise ConfigError("run.elastic needs a map-style dataset (its members share one cursor through it): "
+                              "an IterableDataset cannot be taken up where a leaving worker stood")  # fmt: skip
+        if getattr(job, "elastic", False):
+            self.shard = torch.arange(len(dataset))
+            planned = config.run.workers * batch_size  # the run's length is planned for the workers it starts with
+            if len(dataset) < planned:
+                raise ConfigError(f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size} for "
+                                  f"each of the {config.run.workers} workers: use a smaller batch")  # fmt: skip
+            self.steps_per_epoch = len(dataset) // planned
+        elif not self.streaming:
             workers, seed = job.workers, config.run.seed
             if len(dataset) < workers:
                 raise ConfigError(f"the dataset has {len(dataset)} samples for {workers} workers: use fewer workers")
@@ -140,6 +154,9 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         job = self.job
+        if getattr(job, "elastic", False):
+            yield from self._cursor()
+            return
         self.epoch, skip = self._start()
         self.taken = skip
         if self.streaming:
@@ -156,6 +173,25 @@ class ShardedLoader:
                 return
             self.taken += 1
             yield batch
+
+    def _cursor(self) -> Iterator[Any]:
+        """One pass of an elastic run: this member's batch of each step, from the cursor the members share."""
+        job, b = self.job, self.batch_size
+        self.epoch = job.data_epoch
+        order = self.shard
+        if self.shuffle:
+            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, 0)]
+        self.taken = 0
+        while not job.stopped:
+            job._membership_boundary()  # the members switch (and heal) before the batch is chosen
+            if job.stopped or job.data_epoch != self.epoch:
+                return
+            if job.data_cursor + job.workers * b > len(order):  # the epoch is over, for every member at once
+                job.data_epoch, job.data_cursor = job.data_epoch + 1, 0
+                return
+            start = job.data_cursor + job.world.rank * b
+            self.taken += 1
+            yield next(self._fetch([order[start : start + b]]))
 
     def _start(self) -> tuple[int, int]:
         """(epoch, batches to skip) of this pass: the next epoch, or where a resumed run stopped."""

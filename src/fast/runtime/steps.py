@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fast.comm import timeline
+from fast.errors import CommError
 from fast.strategies import Strategy
 
 
@@ -54,6 +55,9 @@ class StepDriver:
         self.evaluating = False
         self._casting: Any = None
         self.on_begin: Callable[[], None] | None = None
+        # live membership: a step whose exchange failed (a peer is gone) is discarded, then this re-forms the group
+        self.on_failure: Callable[[], None] | None = None
+        self.failed = False
         self.model: nn.Module
         self.params: list[nn.Parameter] = []
 
@@ -147,7 +151,14 @@ class StepDriver:
                 for g in grads:
                     g.zero_()
         with timeline.span("strategy.after_backward", "communicate"):
-            self.strategy.after_backward(self.step)
+            try:
+                self.strategy.after_backward(self.step)
+            except CommError:
+                if self.on_failure is None:
+                    raise
+                self.failed = True
+                for p in self.params:  # the optimizer leaves parameters without a gradient alone
+                    p.grad = None
         self.bad = self.bad or self.strategy.gradients_were_bad
         self.backward_done = True
 
@@ -173,6 +184,10 @@ class StepDriver:
 
     def _optimizer_ends(self) -> None:
         self._computed()
+        if self.failed:  # discarded: the step is taken again over the re-formed group
+            self.began = self.backward_done = self.bad = self.failed = False
+            self.on_failure()
+            return
         with timeline.span("strategy.after_optimizer_step", "communicate"):
             self.strategy.after_optimizer_step(self.step)
         self.machine.after_step()  # times the step's own work, its communication waits left out

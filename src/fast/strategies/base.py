@@ -51,6 +51,10 @@ class Strategy:
     # True: the servers write checkpoints of their own (through `ctx.save_checkpoint`, a dict with its "step"),
     # so on resume they take part in choosing the step every process resumes from (fast.runtime.checkpoints)
     server_checkpoints: ClassVar[bool] = False
+    # True: the strategy takes live membership changes (`run.elastic`, fast.runtime.live): workers leave and join
+    # at its change points, and `regroup` re-makes what it built on the old group; `joins_why` says why not
+    joins: ClassVar[bool] = False
+    joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
     # True: the strategy checks its gradients for NaN/Inf itself (and sets `gradients_were_bad`), so the job does not
     checks_gradients: ClassVar[bool] = False
     tags: ClassVar[tuple[int, ...]] = ()  # the message tags it sends on (checked against FAST's own: fast.comm.tags)
@@ -138,6 +142,8 @@ class Strategy:
         self.model, self.optimizer = model, optimizer
         if getattr(self.options, "momentum_compensation", False):
             self.compensation = MomentumCompensation(optimizer)
+        if self.ctx.config.run.elastic:  # a live membership heals every member from member 0 instead
+            return
         with self.comm.unmetered():
             for tensor in model.state_dict().values():
                 if tensor.is_floating_point() or tensor.dtype in (torch.int64, torch.int32):
@@ -159,6 +165,12 @@ class Strategy:
 
     def end_of_run(self) -> None:
         """After the last step, before the final model is chosen (flush, stop threads, tell servers)."""
+
+    def regroup(self) -> None:
+        """The membership changed (`self.comm` is the new group's): re-make what was built on the old group."""
+
+    def abandon(self) -> None:
+        """A collective of this step failed (a peer is gone): give up what is still pending of the step."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -100,6 +100,7 @@ class Sync(Strategy):
     cost_options = COLLECTIVE_OPTIONS | {"overlap"}
     waits_every_step = True
     reduces_in_shared_memory = True
+    joins = True  # at every step (run.elastic)
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
@@ -118,6 +119,9 @@ class Sync(Strategy):
                 f"`strategy.hierarchical` = {g} does not divide run.workers = {config.run.workers}: "
                 f"choose a group size that divides the number of workers"
             )
+        if g and config.run.elastic:
+            raise ConfigError(f"`strategy.hierarchical` = {g} with run.elastic: groups of a fixed size cannot follow a "
+                              "changing membership; set strategy.hierarchical = 0")  # fmt: skip
         if g and config.codec.name != "none":
             raise ConfigError(
                 f"`codec.name` = {config.codec.name!r} with `strategy.hierarchical` = {g}: hierarchical all-reduce "
@@ -169,7 +173,9 @@ class Sync(Strategy):
         if not summed:
             return [Bucket(run, zeros) for run in runs]
         first_hop = self.group or self.comm
-        summers = [sum_buffer(first_hop, size + 1, self.ctx.config.run.shared_memory) for size in sizes]
+        run = self.ctx.config.run
+        # an elastic run's group changes: sums go through the backend, which a lost peer cannot leave waiting
+        summers = [sum_buffer(first_hop, size + 1, run.shared_memory and not run.elastic) for size in sizes]
         return [Bucket(run, zeros, summer) for run, summer in zip(runs, summers, strict=True)]
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
@@ -215,6 +221,21 @@ class Sync(Strategy):
             bucket.average()
             bucket.write_back()
             bucket.ready, bucket.handle = 0, None
+
+    def regroup(self) -> None:
+        self.buckets = self._make_buckets([p for b in self.buckets for p in reversed(b.params)][::-1], True)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.order, self.launched = [], {}
+
+    def abandon(self) -> None:
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                try:
+                    bucket.handle.wait(deadline_s=1.0)
+                except Exception:  # the group is broken: what is pending fails or is dropped with it
+                    pass
+            bucket.ready, bucket.handle = 0, None
+        self.order = []
 
     def end_of_run(self) -> None:
         if self.compressed is not None:

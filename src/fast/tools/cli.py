@@ -47,6 +47,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace) -> int:
+    from fast.tools.join import join
+
+    member = join(args.run_dir, address=args.address, token_file=args.token_file, config=args.config, out=args.out,
+                  **_overrides(args.set))  # fmt: skip
+    print(f"fast: worker {member} trained with the run to its end")
+    return 0
+
+
 def cmd_topology(args: argparse.Namespace) -> int:
     from fast.topology import format_topology
 
@@ -130,6 +139,17 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="a Python script that calls fast.init")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(func=cmd_run)
+    j = sub.add_parser(
+        "join",
+        help="join a running elastic job: fast join RUN_DIR, or --address HOST:PORT --token-file F --config C",
+    )
+    j.add_argument("run_dir", nargs="?", help="the folder of a run of this machine (its address and secret are there)")
+    j.add_argument("--address", metavar="HOST:PORT", help="the run's membership address (its membership.json)")
+    j.add_argument("--token-file", metavar="F", help="the run's secret (its membership.secret), for another machine")
+    j.add_argument("--config", help="the run's config (default: the run folder's config.toml)")
+    j.add_argument("--out", help="where this worker writes its metrics (default: the run folder)")
+    j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    j.set_defaults(func=cmd_join)
     top = sub.add_parser("topology", help="print a topology's neighbours, mixing weights and spectral gap")
     top.add_argument("spec", help='e.g. "torus:4x4", "ring", "exponential", "random-regular:3"')
     top.add_argument("--workers", "-n", type=int, help="number of workers (implied by torus:RxC)")

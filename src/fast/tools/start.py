@@ -22,6 +22,7 @@ from fast.factories import add_search_path
 from fast.jobs.loop import UserCode, datasets, train_worker
 from fast.runtime.job import default_run_dir, prepare_run_dir
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
+from fast.runtime.membership import Coordinator
 from fast.runtime.run_folder import check_folder, claim, claimed, release
 from fast.strategies import strategy_class, strategy_for
 
@@ -74,6 +75,8 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
                 return launch_elastic(
                     fn, nprocs, args, addr=addr, port=port, threads=threads, max_restarts=config.run.max_restarts
                 )
+        if config.run.elastic:
+            return _launch_live(fn, config, run_dir, args, addr, threads, extra_env)
         survivable = strategy_for(config).survives_failures
         return launch(
             fn, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable, extra_env=extra_env
@@ -84,6 +87,19 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
             hinted.exit_code = e.exit_code
             raise hinted from None
         raise
+
+
+def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str, threads: int,
+                 extra_env: dict[str, str] | None) -> dict:  # fmt: skip
+    """An elastic run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
+    any founder but worker 0 may die, and others join with `fast join`."""
+    coordinator = Coordinator(run_dir, config, addr, config.run.workers)
+    try:
+        return launch(fn, config.run.workers, args, addr=addr, port=engine.free_port(addr), threads=threads,
+                      survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
+                      on_exit=coordinator.exited)  # fmt: skip
+    finally:
+        coordinator.close()
 
 
 def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict[str, str] | None) -> dict:
