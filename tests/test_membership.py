@@ -1,0 +1,196 @@
+"""Live membership (`run.elastic`), in real processes: a worker killed with SIGKILL or stopped with SIGTERM is left
+behind while the run goes on, `fast join` brings a new one in healed from a live peer (never from a file), only
+holders of the run's secret with the run's config get in, and the run's weights equal those of plain SGD over the
+members each step had."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fast.assemble import load_config
+from fast.errors import ConfigError
+from fast.jobs.loop import UserCode, datasets, model_for
+from fast.optim import build_optimizer
+from fast.runtime.loader import epoch_order
+from fast.tools.cli import main
+
+FAST = str(Path(sys.executable).with_name("fast"))
+JOB = {
+    "data.name": "digits",
+    "model.name": "mlp",
+    "run.elastic": "true",
+    "run.epochs": 10000,  # the run ends at run.max_time or run.max_steps
+    "run.batch_size": 32,
+    "run.log_every": 1,
+    "run.eval_every": 0,
+    "run.checkpoint_every": 0,  # nothing on disk to heal from
+}
+
+
+def _sets(options: dict) -> list[str]:
+    return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+
+
+def _steps(run: Path, member: int = 0) -> int:
+    path = run / "workers" / f"metrics-{member}.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    end = time.monotonic() + timeout_s
+    while _steps(run) < step:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, f"step {step} not reached"
+        time.sleep(0.02)
+
+
+def _worker(session: int, member: int) -> psutil.Process:
+    """The process of worker `member` (named `fast worker M/N ...`) in the run started in session `session`."""
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getsid(p.pid) == session and " ".join(p.info["cmdline"] or []).startswith(f"fast worker {member}/"):
+                return p
+        except (ProcessLookupError, psutil.Error):
+            pass
+    raise AssertionError(f"no process of worker {member}")
+
+
+def _start(run: Path, options: dict) -> subprocess.Popen:
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    command = [FAST, "train", "--out", str(run), *_sets({**JOB, **options})]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+
+
+def _join(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    return subprocess.run([FAST, "join", *args], capture_output=True, text=True, env=env, timeout=180)
+
+
+def _healed(run: Path, member: int) -> list[dict]:
+    lines = (run / "workers" / f"metrics-{member}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "healed"]
+
+
+def test_sync_survives_a_killed_worker_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans):
+    run = tmp_path / "run"
+    proc = _start(run, {"run.workers": 4, "run.max_time": "25s"})
+    try:
+        _wait_for_step(run, 100, proc)
+        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
+        _wait_for_step(run, 200, proc)
+        # the secret and the config are checked before anything else: refused in one line, exit code 2
+        forged = tmp_path / "forged.secret"
+        forged.write_text(os.urandom(32).hex())
+        address = json.loads((run / "membership.json").read_text())
+        outsider = _join("--address", f"{address['address']}:{address['port']}", "--token-file", str(forged),
+                         "--config", str(run / "config.toml"), "--out", str(tmp_path / "outsider"))  # fmt: skip
+        assert outsider.returncode == 2
+        assert outsider.stderr.splitlines() == [
+            "fast: error: fast join: refused: it does not hold the run's secret: give `fast join` the run folder, or "
+            "--token-file with the run's membership.secret"
+        ]
+        other_model = _join(str(run), "--set", "model.name=lenet")
+        assert other_model.returncode == 2
+        assert other_model.stderr.splitlines() == [
+            "fast: error: fast join: refused: its config differs from the run's: model.name is 'lenet' where the "
+            "run has 'mlp'"
+        ]
+        joiner = _join(str(run))
+        assert joiner.returncode == 0, joiner.stderr
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers_at_end"] == 4
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 4]]
+    assert events[1]["left"] == [{"member": 2, "how": "killed"}] and 100 <= events[1]["step"] < events[2]["step"]
+    assert events[2]["joined"] == [4] and 4 in events[2]["healed"] and events[2]["catch_up_bytes"] > 0
+    # the newcomer's weights and optimizer state equal member 0's, bit for bit, before its first step
+    (healed,) = _healed(run, 4)
+    assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] == 0
+    assert healed["step"] == events[2]["step"]
+    assert _steps(run, 4) > 0 and not (run / "checkpoints").exists()
+    # the secret and the address are gone with the run
+    assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
+
+
+def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, torch.Tensor]:
+    """Plain SGD in this process over the batches an elastic run's members took: at each step, the next
+    n * batch_size samples of the epoch's order, n the members of that step's generation."""
+    config = load_config(run / "config.toml")
+    train, _ = datasets(config)
+    model = model_for(config, train, UserCode())
+    optimizer = build_optimizer(config.optimizer, model.parameters())
+    x, y = train.tensors
+    b, epoch, cursor = config.run.batch_size, 0, 0
+    order = epoch_order(len(x), config.run.seed, epoch, 0)
+    for step in range(steps):
+        n = len([e for e in events if e["step"] <= step][-1]["members"])
+        if cursor + n * b > len(x):
+            epoch, cursor = epoch + 1, 0
+            order = epoch_order(len(x), config.run.seed, epoch, 0)
+        index = order[cursor : cursor + n * b]
+        loss = torch.stack([F.cross_entropy(model(x[part]), y[part]) for part in index.split(b)]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        cursor += n * b
+    return model.state_dict()
+
+
+def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(tmp_path, no_orphans):
+    run = tmp_path / "run"
+    proc = _start(run, {"run.workers": 3, "run.max_steps": 900})
+    try:
+        _wait_for_step(run, 60, proc)
+        _worker(proc.pid, 1).send_signal(signal.SIGTERM)  # leaves cleanly: says so, the others go on at once
+        _wait_for_step(run, 120, proc)
+        joiner = _join(str(run))
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and joiner.returncode == 0, (err, joiner.stderr)
+    summary = json.loads((run / "summary.json").read_text())
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3]], events
+    assert events[1]["left"] == [{"member": 1, "how": "left (SIGTERM)"}]
+    expected = _reference_weights(run, events, summary["steps_per_worker"])
+    trained = torch.load(run / "model.pt", weights_only=True)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"strategy.name": "ssp"}, "run.elastic: strategy 'ssp' does not take live membership changes yet"),
+        ({"codec.name": "topk"}, "run.elastic with codec.name: a codec's residuals are not reset"),
+        ({"run.max_restarts": 1}, "run.elastic with run.max_restarts: restarts every worker from a checkpoint"),
+        ({"run.min_workers": 5}, "run.min_workers = 5 is more than the 4 workers the run starts with"),
+        ({"strategy.hierarchical": 2}, "`strategy.hierarchical` = 2 with run.elastic"),
+    ],
+)
+def test_what_an_elastic_run_cannot_take_is_refused_in_one_line(options, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, **{"run.elastic": True, "run.workers": 4, **options})
+
+
+def test_fast_join_without_a_live_run_says_so(tmp_path, capsys):
+    assert main(["join", str(tmp_path)]) == 2
+    assert "no live elastic run there" in capsys.readouterr().err
