@@ -81,30 +81,25 @@ def _healed(run: Path, member: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == "healed"]
 
 
-def test_sync_survives_a_killed_worker_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"strategy.name": "sync"},
+        {"strategy.name": "local-sgd", "strategy.period": 4},
+        {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3},  # θ and outer momentum healed
+        {"strategy.name": "streaming-diloco", "strategy.period": 8, "strategy.fragments": 2},
+    ],
+    ids=lambda options: options["strategy.name"],
+)
+def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans, strategy):
     run = tmp_path / "run"
-    proc = _start(run, {"run.workers": 4, "run.max_time": "25s"})
+    proc = _start(run, {"run.workers": 4, "run.max_time": "15s", **strategy})
     try:
         _wait_for_step(run, 100, proc)
         _worker(proc.pid, 2).send_signal(signal.SIGKILL)
         _wait_for_step(run, 200, proc)
-        # the secret and the config are checked before anything else: refused in one line, exit code 2
-        forged = tmp_path / "forged.secret"
-        forged.write_text(os.urandom(32).hex())
-        address = json.loads((run / "membership.json").read_text())
-        outsider = _join("--address", f"{address['address']}:{address['port']}", "--token-file", str(forged),
-                         "--config", str(run / "config.toml"), "--out", str(tmp_path / "outsider"))  # fmt: skip
-        assert outsider.returncode == 2
-        assert outsider.stderr.splitlines() == [
-            "fast: error: fast join: refused: it does not hold the run's secret: give `fast join` the run folder, or "
-            "--token-file with the run's membership.secret"
-        ]
-        other_model = _join(str(run), "--set", "model.name=lenet")
-        assert other_model.returncode == 2
-        assert other_model.stderr.splitlines() == [
-            "fast: error: fast join: refused: its config differs from the run's: model.name is 'lenet' where the "
-            "run has 'mlp'"
-        ]
+        if strategy["strategy.name"] == "sync":
+            _refusals(run, tmp_path)
         joiner = _join(str(run))
         assert joiner.returncode == 0, joiner.stderr
         out, err = proc.communicate(timeout=120)
@@ -119,13 +114,34 @@ def test_sync_survives_a_killed_worker_and_a_joiner_heals_from_a_live_peer(tmp_p
     assert [e["members"] for e in events] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 4]]
     assert events[1]["left"] == [{"member": 2, "how": "killed"}] and 100 <= events[1]["step"] < events[2]["step"]
     assert events[2]["joined"] == [4] and 4 in events[2]["healed"] and events[2]["catch_up_bytes"] > 0
-    # the newcomer's weights and optimizer state equal member 0's, bit for bit, before its first step
+    # the newcomer's weights, optimizer state and the strategy's shared state (DiLoCo's θ and outer momentum)
+    # equal member 0's, bit for bit, before its first step
     (healed,) = _healed(run, 4)
     assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] == 0
     assert healed["step"] == events[2]["step"]
     assert _steps(run, 4) > 0 and not (run / "checkpoints").exists()
     # the secret and the address are gone with the run
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
+
+
+def _refusals(run: Path, tmp_path: Path) -> None:
+    """The secret and the config are checked before anything else: refused in one line, exit code 2."""
+    forged = tmp_path / "forged.secret"
+    forged.write_text(os.urandom(32).hex())
+    address = json.loads((run / "membership.json").read_text())
+    outsider = _join("--address", f"{address['address']}:{address['port']}", "--token-file", str(forged),
+                     "--config", str(run / "config.toml"), "--out", str(tmp_path / "outsider"))  # fmt: skip
+    assert outsider.returncode == 2
+    assert outsider.stderr.splitlines() == [
+        "fast: error: fast join: refused: it does not hold the run's secret: give `fast join` the run folder, or "
+        "--token-file with the run's membership.secret"
+    ]
+    other_model = _join(str(run), "--set", "model.name=lenet")
+    assert other_model.returncode == 2
+    assert other_model.stderr.splitlines() == [
+        "fast: error: fast join: refused: its config differs from the run's: model.name is 'lenet' where the "
+        "run has 'mlp'"
+    ]
 
 
 def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, torch.Tensor]:

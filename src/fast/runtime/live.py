@@ -127,7 +127,7 @@ class Live:
     # -- at each step ----------------------------------------------------------------------------------------------
     def _membership_boundary(self) -> None:
         """The members' round before a step: switch to a newer generation, all at this step (and heal)."""
-        if self._boundary_at == self.step:
+        if self._boundary_at == self.step or not self.strategy.change_point(self.step):
             return
         while True:
             limit = self.config.run.max_time_s
@@ -185,16 +185,19 @@ class Live:
         self.strategy.load_state_dict(state["strategy"])
 
     def _model_state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "strategy": self.strategy.shared_state()}  # fmt: skip
 
     def _heal(self, fresh: bool) -> None:
         """Collective over the new group: member 0 sends its state to each member that is new (`fresh`) or whose
         step differs from its own. Catch-up traffic is counted apart from training's (summary `membership`)."""
         world, started = self.world, time.monotonic()
+        shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         with world.unmetered():
-            rows = world.all_gather(torch.tensor([self.rank, self.step, int(fresh)], dtype=torch.int64))
-        source_step = int(rows[0][1])
-        behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or int(row[1]) != source_step)]
+            rows = world.all_gather(torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
+        source = rows[0]
+        behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or not torch.equal(row[1::2], source[1::2]))]
         sent = 0
         if world.rank == 0 and behind:
             buffer = io.BytesIO()

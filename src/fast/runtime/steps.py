@@ -188,13 +188,21 @@ class StepDriver:
             self.began = self.backward_done = self.bad = self.failed = False
             self.on_failure()
             return
+        round_failed = False
         with timeline.span("strategy.after_optimizer_step", "communicate"):
-            self.strategy.after_optimizer_step(self.step)
+            try:
+                self.strategy.after_optimizer_step(self.step)
+            except CommError:  # a round's exchange: the local step stands, the round is given up
+                if self.on_failure is None:
+                    raise
+                round_failed = True
         self.machine.after_step()  # times the step's own work, its communication waits left out
         bad = self.bad
         self.step += 1
         self.began = self.backward_done = self.bad = False
         self.on_step_done(bad)
+        if round_failed:
+            self.on_failure()
 
     def null_step(self) -> None:
         """A step without data (a worker that has finished while the others go on): the strategy's exchanges with

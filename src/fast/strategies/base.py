@@ -166,6 +166,18 @@ class Strategy:
     def end_of_run(self) -> None:
         """After the last step, before the final model is chosen (flush, stop threads, tell servers)."""
 
+    def change_point(self, step: int) -> bool:
+        """Whether the membership may change before step `step` (0-based): the base, any step."""
+        return True
+
+    def shared_state(self) -> Any:
+        """What every member of a live membership holds alike at a change point: a member whose copy differs (a
+        round that failed on some members and not on others) is healed. Replicas that stay identical: the model
+        and optimizer; replicas that differ: the strategy's own state (θ, outer momentum, counters)."""
+        if not self.replicas_differ:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {k: v for k, v in self.state_dict().items() if k != "codec"}
+
     def regroup(self) -> None:
         """The membership changed (`self.comm` is the new group's): re-make what was built on the old group."""
 

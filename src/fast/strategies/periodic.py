@@ -29,6 +29,7 @@ class PeriodicAveraging(Strategy):
     cost_options = COLLECTIVE_OPTIONS | {"period"}
     overlapped: ClassVar[bool] = False  # True: rounds run behind the next steps (their exchange in the background)
     reduces_in_shared_memory = True
+    joins = True  # between rounds (run.elastic)
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
@@ -45,6 +46,10 @@ class PeriodicAveraging(Strategy):
         self.compressed = CompressedAllReduce(self.comm, codec, background=overlapped) if codec is not None else None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.last_step = -1
+
+    def change_point(self, step: int) -> bool:
+        """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""
+        return self.warming_up(step) or self.local_steps(step - 1) % self.options.period == 0
 
     def warming_up(self, step: int) -> bool:
         return step < self.options.warmup_steps

@@ -110,6 +110,17 @@ class StreamingDiLoCo(PeriodicAveraging):
             if self.options.delay == 0:
                 self._land(p, self.options.alpha)
 
+    def change_point(self, step: int) -> bool:
+        """Between rounds: no fragment in flight (a joiner takes θ of every fragment as it stands)."""
+        return not self.in_flight
+
+    def regroup(self) -> None:
+        if self.compressed is None:
+            self.channel = self.comm.separate_group()
+
+    def abandon(self) -> None:
+        self.in_flight.clear()  # the rounds under way went with the old group; their local steps are kept
+
     def _start(self, p: int, step: int) -> None:
         """Fragment p's round: its pseudo-gradient starts on its way; it lands `delay` steps later."""
         delta = self.thetas[p] - self.local[p].read()
