@@ -88,8 +88,10 @@ def _healed(run: Path, member: int) -> list[dict]:
         {"strategy.name": "local-sgd", "strategy.period": 4},
         {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3},  # θ and outer momentum healed
         {"strategy.name": "streaming-diloco", "strategy.period": 8, "strategy.fragments": 2},
+        {"strategy.name": "gossip", "strategy.topology": "ring"},
+        {"strategy.name": "gossip", "strategy.topology": "torus:2x2"},  # a ring while 3 are left
     ],
-    ids=lambda options: options["strategy.name"],
+    ids=lambda options: "-".join(str(v) for k, v in options.items() if k in ("strategy.name", "strategy.topology")),
 )
 def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans, strategy):
     run = tmp_path / "run"
@@ -120,6 +122,8 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] == 0
     assert healed["step"] == events[2]["step"]
     assert _steps(run, 4) > 0 and not (run / "checkpoints").exists()
+    if strategy.get("strategy.topology") == "torus:2x2":
+        assert summary["topology_fallback"].startswith("ring over 3 workers")
     # the secret and the address are gone with the run
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 

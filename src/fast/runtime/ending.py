@@ -180,7 +180,7 @@ class Ending:
         self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
         self.strategy.end_of_run()
         self.records.close()
-        if self.strategy.survives_failures:
+        if self.strategy.survives_failures and not self.elastic:  # (an elastic run's members end together)
             return self._gather_from_survivors()
         model = None
         if self._eval_fn is not None:

@@ -85,7 +85,9 @@ class Evaluating:
     def _evaluate(self, fn: EvalFn, final: bool) -> dict[str, float]:
         """Evaluate, record (worker 0) and return the metrics; `final` is the end of the run's evaluation."""
         strategy = self.strategy
-        collective = final or (strategy.collective_eval and not strategy.survives_failures)
+        # during the run, worker 0 alone where a peer may be gone (its strategy survives it, or the membership
+        # re-forms without it)
+        collective = final or (strategy.collective_eval and not strategy.survives_failures and not self.elastic)
         if not collective and not self.is_main:
             return {}
         if collective and not final and self.workers > 1:  # a collective must find every worker here, at this step

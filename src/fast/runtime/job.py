@@ -243,7 +243,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             serving=self.machine.serving,
         )
         self.strategy: Strategy = build_strategy(config, self.context)
-        point_to_point = self.strategy.survives_failures
+        point_to_point = self.strategy.survives_failures and not self.elastic  # (membership re-forms the group)
         if not self.elastic:
             self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
         # the end of a run that survives failures: a line on which waiting for a silent process breaks nothing

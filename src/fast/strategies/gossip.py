@@ -53,6 +53,7 @@ class Gossip(Strategy):
     Options = GossipOptions
     tags = (0,)
     survives_failures = True  # with a codec (CHOCO-SGD) a death stays fatal
+    joins = True  # at any step (run.elastic): the topology is re-made over the members
     cost_options = PEER_OPTIONS | {"overlap"}
     cost_defaults = {
         "overlap": 1.0
@@ -81,8 +82,19 @@ class Gossip(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
-        self.rounds = rounds_for(self.options, self.comm.size, self.ctx.config.run.seed)
         self.exchanges = self.steps = self.lost_messages = 0
+        self.fallback: str | None = None
+        self.regroup()
+
+    def regroup(self) -> None:
+        """The plan of rounds over the group's members (a live membership: the new group's); a topology that
+        does not fit their number (a torus of 3) falls back to a ring, and the summary says so."""
+        size, seed = self.comm.size, self.ctx.config.run.seed
+        try:
+            self.rounds = rounds_for(self.options, size, seed)
+        except ConfigError as e:
+            self.rounds = rounds_for(self.options.model_copy(update={"topology": "ring"}), size, seed)
+            self.fallback = f"ring over {size} workers ({e})"
         # waits give up at the deadline without letting gloo time out, which would cut this worker off from
         # every neighbour, not just the silent one
         self.patient = PatientGroup(self.comm)
@@ -128,4 +140,6 @@ class Gossip(Strategy):
         }
         if self.rounds.topology is not None:
             figures["spectral_gap"] = self.rounds.topology.spectral_gap()
+        if self.fallback is not None:
+            figures["topology_fallback"] = self.fallback
         return figures
