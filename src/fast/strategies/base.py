@@ -54,6 +54,7 @@ class Strategy:
     # True: the strategy takes live membership changes (`run.elastic`, fast.runtime.live): workers leave and join
     # at its change points, and `regroup` re-makes what it built on the old group; `joins_why` says why not
     joins: ClassVar[bool] = False
+    joins_when: ClassVar[str] = "every step"  # when a change may happen (`change_point`), for the reference
     joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
     # True: the strategy checks its gradients for NaN/Inf itself (and sets `gradients_were_bad`), so the job does not
     checks_gradients: ClassVar[bool] = False

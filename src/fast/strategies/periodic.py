@@ -29,7 +29,8 @@ class PeriodicAveraging(Strategy):
     cost_options = COLLECTIVE_OPTIONS | {"period"}
     overlapped: ClassVar[bool] = False  # True: rounds run behind the next steps (their exchange in the background)
     reduces_in_shared_memory = True
-    joins = True  # between rounds (run.elastic)
+    joins = True
+    joins_when = "between rounds"
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:

@@ -110,6 +110,8 @@ class StreamingDiLoCo(PeriodicAveraging):
             if self.options.delay == 0:
                 self._land(p, self.options.alpha)
 
+    joins_when = "between rounds, no fragment in flight"
+
     def change_point(self, step: int) -> bool:
         """Between rounds: no fragment in flight (a joiner takes θ of every fragment as it stands)."""
         return not self.in_flight

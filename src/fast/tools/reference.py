@@ -15,8 +15,9 @@ def _first_line(obj: object) -> str:
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
-def strategy_rows() -> list[tuple[str, str, str, str]]:
-    """(name, what it is, its keys with defaults, the codecs it can use) for every strategy FAST ships."""
+def strategy_rows() -> list[tuple[str, str, str, str, str]]:
+    """(name, what it is, its keys with defaults, the codecs it can use, when it takes a change of live
+    membership) for every strategy FAST ships."""
     rows = []
     common = set(StrategyOptions.model_fields)
     built_in = {name: cls for name, cls in registry().items() if cls.__module__.startswith("fast.")}
@@ -38,7 +39,7 @@ def strategy_rows() -> list[tuple[str, str, str, str]]:
             name for name, runner in zip(CODECS, variants, strict=True) if runner.accepts_codec(build_codec(name))
         ]
         codecs = "all" if usable == list(CODECS) else ", ".join(usable)
-        rows.append((name, what, "; ".join(keys) or "—", codecs))
+        rows.append((name, what, "; ".join(keys) or "—", codecs, cls.joins_when if cls.joins else "no"))
     return rows
 
 
@@ -58,8 +59,9 @@ def codec_rows() -> list[tuple[str, str]]:
 
 
 def markdown() -> str:
-    lines = ["| strategy | what it does | keys (default) | codecs |", "|---|---|---|---|"]
-    lines += [f"| `{n}` | {w} | {k} | {c} |" for n, w, k, c in strategy_rows()]
+    lines = ["| strategy | what it does | keys (default) | codecs | joins and leaves (`run.elastic`) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| `{n}` | {w} | {k} | {c} | {j} |" for n, w, k, c, j in strategy_rows()]
     lines += ["", "| codec | keys (default) |", "|---|---|"]
     lines += [f"| `{n}` | {k} |" for n, k in codec_rows()]
     return "\n".join(lines)
