@@ -214,3 +214,68 @@ def test_what_an_elastic_run_cannot_take_is_refused_in_one_line(options, message
 def test_fast_join_without_a_live_run_says_so(tmp_path, capsys):
     assert main(["join", str(tmp_path)]) == 2
     assert "no live elastic run there" in capsys.readouterr().err
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def two_machines():
+    """Two network namespaces joined by a veth pair capped at 50 Mbit/s each way (tbf): (run in A, in B, addresses,
+    B's interface)."""
+    if os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 100000}"
+    a, b, va, vb = f"fastA{tag}", f"fastB{tag}", f"vA{tag}", f"vB{tag}"
+    try:
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        for ns, dev, addr in ((a, va, "10.77.0.1/24"), (b, vb, "10.77.0.2/24")):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                            "50mbit", "burst", "64kb", "latency", "50ms"], check=True)  # fmt: skip
+        yield (["ip", "netns", "exec", a], ["ip", "netns", "exec", b], "10.77.0.1", vb, b)
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp_path, no_orphans, two_machines):
+    in_a, in_b, master, device, b = two_machines
+    run = tmp_path / "run"
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    options = {**JOB, "run.workers": 2, "run.max_time": "15s", "run.master_addr": master}
+    proc = subprocess.Popen([*in_a, FAST, "train", "--out", str(run), *_sets(options)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        _wait_for_step(run, 50, proc)
+        # what a remote joiner is handed: the secret as a file, the address, the config
+        token = tmp_path / "token"
+        token.write_text((run / "membership.secret").read_text())
+        port = json.loads((run / "membership.json").read_text())["port"]
+        received = Path(f"/sys/class/net/{device}/statistics/rx_bytes")
+        before = int(subprocess.run([*in_b, "cat", str(received)], capture_output=True, text=True).stdout)
+        joiner = subprocess.run([*in_b, FAST, "join", "--address", f"{master}:{port}", "--token-file", str(token),
+                                 "--config", str(run / "config.toml"), "--out", str(tmp_path / "joiner")],
+                                capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
+        after = int(subprocess.run([*in_b, "cat", str(received)], capture_output=True, text=True).stdout)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert joiner.returncode == 0 and proc.returncode == 0, (joiner.stderr, err)
+    # each side's gloo found the interface that routes to the run, and said so
+    assert f"fast: gloo on {device} (10.77.0.2), the interface that routes to {master}" in joiner.stderr
+    assert f"the interface that routes to {master}" in err
+    events = json.loads((run / "summary.json").read_text())["membership"]
+    assert events[-1]["joined"] == [2] and events[-1]["members"] == [0, 1, 2]
+    (healed,) = _healed(tmp_path / "joiner", 2)
+    assert healed["fingerprint"] == healed["source_fingerprint"]
+    # the catch-up crossed the link: the joiner's machine received at least its bytes, by the kernel's count
+    assert after - before >= events[-1]["catch_up_bytes"] > 0

@@ -3,8 +3,11 @@ or under torchrun, and hand back the `Comm` every layer above moves tensors thro
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -31,6 +34,42 @@ def resolved(addr: str) -> str:
         raise ConfigError(f"run.master_addr {addr!r} does not resolve ({e}): give an address or a name this machine "
                           "knows, or leave it at 127.0.0.1 for a run on this machine") from None  # fmt: skip
     return addr
+
+
+def interface_to(addr: str) -> tuple[str, str] | None:
+    """(interface, local address) through which this machine reaches `addr`, as the routing table says; None when
+    it cannot tell (no route, not IPv4). Gloo binds the address the host name resolves to unless told an
+    interface, which on many hosts is loopback: peers on other machines could not connect."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(addr), 9))  # no packet is sent: the kernel picks the route
+            local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:  # no IPv4 address on it
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name, local
+    except OSError:
+        return None
+    return None
+
+
+def gloo_interface(addr: str, say: bool = True) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for a process that meets its peers at `addr`: loopback for a local run, the user's own
+    choice if set, else the interface that routes to `addr` (said in one line when `say`)."""
+    if addr.startswith("127.") or addr == "localhost":
+        return {"GLOO_SOCKET_IFNAME": "lo"}
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return {"GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
+    found = interface_to(addr)
+    if found is None:
+        return {}
+    if say:
+        print(f"fast: gloo on {found[0]} ({found[1]}), the interface that routes to {addr}", file=sys.stderr)
+    return {"GLOO_SOCKET_IFNAME": found[0]}
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -62,6 +101,8 @@ def start(
     `make_comm(deadline_s=..., device=...)` (an emulated one, say, whose traffic crosses emulated links)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=deadline_s)
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:  # under torchrun: across machines, say
+        os.environ.update(gloo_interface(addr, say=os.environ.get("LOCAL_RANK", "0") == "0"))
     # under torch's elastic agent (torchrun, run.max_restarts) the agent hosts the store and keeps it across
     # restarts, so every attempt gets keys of its own; otherwise rank 0 hosts it
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -213,6 +213,7 @@ def launch(
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"
+        gloo = engine.gloo_interface(addr)
         for rank in range(nprocs):
             env = {
                 "RANK": str(rank),
@@ -222,7 +223,7 @@ def launch(
                 "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": str(threads),
-                "GLOO_SOCKET_IFNAME": "lo" if addr.startswith("127.") else os.environ.get("GLOO_SOCKET_IFNAME", ""),
+                **gloo,
                 "FAST_STORE_FILE": str(store / "store") if local else "",
                 **launcher_environment(scratch),
                 **(extra_env or {}),
