@@ -78,8 +78,12 @@ def world_size(config: Config) -> int:
 
 
 def check_membership(config: Config) -> None:
-    """ConfigError for an elastic run (`run.elastic`) its strategy or its other keys cannot give live membership."""
+    """ConfigError for an elastic run (`run.elastic`) its strategy or its other keys cannot give live membership,
+    and for churn in a run that is not elastic."""
     run = config.run
+    if config.faults is not None and config.faults.churn is not None and not run.elastic:
+        raise ConfigError("[faults] churn takes workers out and brings them back through `fast join`: set "
+                          "run.elastic = true")  # fmt: skip
     if not run.elastic:
         return
     strategy = strategy_for(config)
@@ -89,12 +93,18 @@ def check_membership(config: Config) -> None:
         taking = ", ".join(sorted(name for name, cls in registry().items() if cls.joins))
         raise ConfigError(f"run.elastic: strategy {config.strategy.name!r} does not take live membership changes "
                           f"yet ({strategy.joins_why}); elastic runs take: {taking}")  # fmt: skip
+    network, faults = config.network, config.faults
     refused = {
         "run.max_restarts": (run.max_restarts, "restarts every worker from a checkpoint: an elastic run heals live"),
         "run.engine": (run.engine == "simulated", "the simulated engine has no live membership yet"),
-        "[network], [compute] and [faults]": (
-            config.network or config.compute or config.faults,
-            "emulated deployments have no live membership yet",
+        "[network] sites or links": (
+            network is not None and (network.sites or network.links),
+            "links that differ by rank cannot follow members whose ranks change; give every link the same values",
+        ),
+        "[compute]": (config.compute, "per-rank compute emulation cannot follow members whose ranks change"),
+        "[faults] crash or link_down": (
+            faults is not None and (faults.crash or faults.link_down),
+            "[faults] churn takes members out and brings them back",
         ),
         "codec.name": (config.codec.name != "none", "a codec's residuals are not reset on a membership change yet"),
         "run.accumulate": (run.accumulate > 1, "a change of membership falls between whole steps"),

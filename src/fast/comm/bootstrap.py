@@ -122,14 +122,21 @@ def start(
 
 
 def start_group(
-    store: Any, rank: int, world_size: int, device: torch.device, deadline_s: float, counter: Any = None
+    store: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    deadline_s: float,
+    counter: Any = None,
+    make_comm: Callable[..., Comm] = Comm,
 ) -> Comm:
     """Form a default process group of `world_size` over `store` (one generation of an elastic run's membership,
-    fast.runtime.live) and return its `Comm`, counting into `counter` (the byte count goes on across groups)."""
+    fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
+    groups)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=deadline_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return Comm(deadline_s=deadline_s, device=device, counter=counter)
+    return make_comm(deadline_s=deadline_s, device=device, counter=counter)
 
 
 def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:

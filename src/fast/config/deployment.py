@@ -27,7 +27,7 @@ Times of faults count from the common start of training. Every random draw is ke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -175,6 +175,25 @@ class LinkDown(_Table):
         return self
 
 
+class Churn(_Table):
+    """Workers that leave and come back at random, each on its own exponential clock (run.elastic)."""
+
+    lifetime: str | float = Field(description="a worker's mean time in the run before it leaves (worker 0 stays)")
+    absence: str | float = Field(description="its mean time away before it comes back, through `fast join`")
+    leave: Literal["kill", "term"] = Field(
+        "kill", description='"kill": SIGKILL, a crash; "term": SIGTERM, a clean leave'
+    )
+
+    @field_validator("lifetime", "absence")
+    @classmethod
+    def _time(cls, value: Any) -> Any:
+        checked = _checked(parse_duration, value)
+        if parse_duration(checked) <= 0:
+            raise ValueError('must be a positive duration such as "20s"')
+        return checked
+
+
 class FaultsConfig(_Table):
     crash: list[Crash] = Field(default_factory=list, description="workers that stop at a step or time")
     link_down: list[LinkDown] = Field(default_factory=list, description="links down for an interval")
+    churn: Churn | None = Field(None, description="workers leave and come back at random (needs run.elastic)")

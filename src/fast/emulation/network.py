@@ -190,12 +190,13 @@ class TimedHandle(Handle):
         ready_at: Callable[[], float],
         result: Any = None,
         on_ready: Callable[[], Any] | None = None,
+        interrupted: Callable[[], str | None] | None = None,
     ) -> None:
         def done() -> Any:
             sleep_until(ready_at())
             return on_ready() if on_ready is not None else None
 
-        super().__init__(work, op, peer, deadline_s, result, done)
+        super().__init__(work, op, peer, deadline_s, result, done, interrupted)
         self._ready_at = ready_at
 
     def is_completed(self) -> bool:
@@ -263,7 +264,7 @@ class EmulatedComm(Comm):
         self._sequence_lock = threading.Lock()
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
-        return EmulatedComm(
+        comm = EmulatedComm(
             network=self.network,
             group=group,
             deadline_s=self.deadline_s,
@@ -273,6 +274,8 @@ class EmulatedComm(Comm):
             rank=self.rank,
             world_size=self._world_size,
         )
+        comm.interrupted = self.interrupted
+        return comm
 
     def _transmit(self, dst: int, nbytes: int, tag: int, droppable: bool) -> Transmission:
         if not self.counter.metered:  # measurement traffic is not part of the deployment
@@ -290,7 +293,8 @@ class EmulatedComm(Comm):
         wire = _header(tx) if tx.lost else torch.cat([_header(tx), payload])
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, wire, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, payload.numel())  # a lost message still left the sender
-        return TimedHandle(work, "send", f"worker {dst}", self.deadline_s, lambda: tx.sent_at, wire)
+        return TimedHandle(work, "send", f"worker {dst}", self.deadline_s, lambda: tx.sent_at, wire,
+                           interrupted=self.interrupted)  # fmt: skip
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         return self._irecv(tensor, src, tag)[0]
@@ -318,7 +322,7 @@ class EmulatedComm(Comm):
             self.counter.add_received(peer(), nbytes)
             return tensor
 
-        return TimedHandle(work, "recv", name, self.deadline_s, ready_at, tensor, arrived), peer
+        return TimedHandle(work, "recv", name, self.deadline_s, ready_at, tensor, arrived, self.interrupted), peer
 
     def _arrival(self, src: int, nbytes: int, stamp: Stamp) -> float:
         if stamp.lost or stamp.measurement:
@@ -339,14 +343,14 @@ class EmulatedComm(Comm):
         works = [post("send", name, self.deadline_s, dist.isend, p, dst=dst, group=self.group, tag=tag) for p in parts]
         self.counter.add_sent(dst, 8 + n)
         for work in works:
-            Handle(work, "send", f"worker {dst}", self.deadline_s).wait()
+            Handle(work, "send", f"worker {dst}", self.deadline_s, interrupted=self.interrupted).wait()
         sleep_until(tx.sent_at)
 
     def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         name = f"worker {src}" if src is not None else "any worker"
         work = post("recv", name, self.deadline_s, dist.irecv, header, src=src, group=self.group, tag=tag)
-        Handle(work, "recv", name, self.deadline_s).wait()
+        Handle(work, "recv", name, self.deadline_s, interrupted=self.interrupted).wait()
         peer = src if src is not None else sender_of(work, self.group)
         stamp = _read_header(header)
         lost, n = stamp.lost, stamp.length
@@ -356,7 +360,7 @@ class EmulatedComm(Comm):
         if n and not lost:
             name = f"worker {peer}"
             work = post("recv", name, self.deadline_s, dist.irecv, payload, src=peer, group=self.group, tag=tag)
-            Handle(work, "recv", name, self.deadline_s).wait()
+            Handle(work, "recv", name, self.deadline_s, interrupted=self.interrupted).wait()
         sleep_until(self._arrival(peer, 8 + n, stamp))
         if lost:
             raise MessageLost(f"a droppable message from worker {peer} (tag {tag}) was lost on its link")
@@ -375,7 +379,8 @@ class EmulatedComm(Comm):
                 rounds()
 
         # the rounds' own receives time out first, with the peer's name; this is a backstop
-        return Handle(_FutureWork(self._rounds.submit(run)), op, f"the group {self.ranks}", 2 * self.deadline_s, result)
+        work = _FutureWork(self._rounds.submit(run))
+        return Handle(work, op, f"the group {self.ranks}", 2 * self.deadline_s, result, interrupted=self.interrupted)
 
     def _exchange(self, out: torch.Tensor, dst: int, into: torch.Tensor, src: int) -> None:
         sent = self.isend(out, dst, COLLECTIVE_TAG)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from fast.comm import bootstrap as engine
+from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
 from fast.runtime.control import Control
@@ -100,9 +101,16 @@ class Live:
     def _form(self, generation: Generation) -> None:
         """Leave the old group and form `generation`'s: the world, the control group, the strategy's groups."""
         counter = self.world.counter if getattr(self, "world", None) is not None else None
+        engine.abort()  # what is left of a group formed before, or half formed
         n, rank = len(generation.members), generation.members.index(self.rank)
-        world = engine.start_group(self.member.group_store(generation), rank, n, self.device,
-                                   self.config.run.deadline_s, counter)  # fmt: skip
+        network = network_for(self.config, n, rank)  # emulated links: the same between any two members
+        try:
+            world = engine.start_group(self.member.group_store(generation), rank, n, self.device,
+                                       self.config.run.deadline_s, counter, comm_maker(network))  # fmt: skip
+        except RuntimeError as e:  # a member went between arriving and forming (the store's wait gave up)
+            raise CommError(f"forming generation {generation.number}: {str(e).splitlines()[0]}") from None
+        if network is not None:
+            network.start_clock()
         self.generation = generation
         world.interrupted = self._superseded
         self.world = self.comm = world
@@ -220,13 +228,17 @@ class Live:
                                   "source_fingerprint": state["fingerprint"]})  # fmt: skip
         if world.rank == 0 and self.is_main:
             generation = self.generation
+            before = self.membership[-1] if self.membership else {"generation": -1, "members": []}
+            # what changed since the last generation that formed (those in between were superseded)
+            skipped = [self.member.generation(n) for n in range(before["generation"] + 1, generation.number + 1)]
+            gone = [m for m in before["members"] if m not in generation.members]
             self.membership.append({
                 "generation": generation.number,
                 "step": self.step,
                 "unix_time": time.time(),
                 "members": generation.members,
-                "joined": generation.joined,
-                "left": generation.left,
+                "joined": [m for m in generation.members if m not in before["members"]] if before["members"] else [],
+                "left": [entry for g in skipped for entry in g.left if entry["member"] in gone],
                 "healed": [int(rows[i][0]) for i in behind],
                 "healed_from": self.rank,
                 "catch_up_bytes": sent,

@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ ADDRESS_FILE = "membership.json"
 HEARTBEAT_S = 0.5  # how often a member says it is alive
 SILENT_S = 10.0  # a member silent this long is dropped (a local process's exit is seen at once)
 POLL_S = 0.02
+FORM_S = 10.0  # the longest a member waits for another to form a generation's group
 PREFIX = "fast/membership/"
 # config keys a joiner may hold differently from the run: where its own outputs go and how it runs locally
 PER_PROCESS_KEYS = ("run.threads_per_worker", "run.device", "run.tensorboard", "run.trace", "run.master_port")
@@ -129,6 +132,10 @@ class Coordinator:
         how = "killed" if exit_code is not None and exit_code < 0 else f"exited with code {exit_code}"
         with self._lock:
             self._exited[member] = how
+
+    def evict(self, member: int, how: str) -> None:
+        """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM)."""
+        self.store.set(PREFIX + f"evict/{member}", how)
 
     def close(self) -> None:
         self._closing.set()
@@ -246,7 +253,11 @@ class Member:
         while True:
             try:
                 store.set(PREFIX + f"heartbeat/{self.id}", repr(time.time()))
+                evicted = _get(store, f"evict/{self.id}")
             except Exception:  # the run's launcher is gone: the lifeline ends this process
+                return
+            if evicted is not None:  # [faults] churn: leave as a crash would, or as SIGTERM makes it
+                os.kill(os.getpid(), signal.SIGKILL if evicted == b"kill" else signal.SIGTERM)
                 return
             if self._stop.wait(HEARTBEAT_S):
                 return
@@ -297,7 +308,10 @@ class Member:
             return self.store.compare_set(settled, "", outcome) == b"formed"
 
     def group_store(self, generation: Generation) -> Any:
-        return dist.PrefixStore(PREFIX + f"group/{generation.number}/", self.store)
+        """The store `generation`'s group forms on: its own prefix, and a connection whose waits give up after
+        FORM_S (a member that died between arriving and forming does not hold the others up for a deadline)."""
+        store = _store(self.host, self.port, timeout_s=min(self.deadline_s, FORM_S))
+        return dist.PrefixStore(PREFIX + f"group/{generation.number}/", store)
 
     def suspect(self, generation: int) -> None:
         """A collective of this member's in `generation` failed: ask the coordinator to form it again, unless a

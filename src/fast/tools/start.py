@@ -20,6 +20,7 @@ from fast.config import Config
 from fast.errors import ConfigError
 from fast.factories import add_search_path
 from fast.jobs.loop import UserCode, datasets, train_worker
+from fast.runtime.churn import ChurnDriver
 from fast.runtime.job import default_run_dir, prepare_run_dir
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
 from fast.runtime.membership import Coordinator
@@ -94,11 +95,14 @@ def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str,
     """An elastic run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
     any founder but worker 0 may die, and others join with `fast join`."""
     coordinator = Coordinator(run_dir, config, addr, config.run.workers)
+    churn = ChurnDriver(run_dir, config, coordinator) if config.faults and config.faults.churn else None
     try:
         return launch(fn, config.run.workers, args, addr=addr, port=engine.free_port(addr), threads=threads,
                       survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
                       on_exit=coordinator.exited)  # fmt: skip
     finally:
+        if churn is not None:
+            churn.close()
         coordinator.close()
 
 
