@@ -35,7 +35,9 @@ class MessageLost(CommError):
     """A message sent with `droppable=True` was lost on an emulated link (never raised by native links)."""
 
 
-INTERRUPT_POLL_S = 0.25  # how often a wait of an interruptible group asks whether to give up
+# how often a collective's wait in an interruptible group asks whether to give up (a point-to-point wait that times
+# out cannot be waited on again in gloo: those wait whole, and a peer that is gone closes their connection)
+INTERRUPT_POLL_S = 0.25
 
 
 class Handle:
@@ -197,7 +199,7 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
-        return Handle(work, "send", f"worker {dst}", self.deadline_s, interrupted=self.interrupted)
+        return Handle(work, "send", f"worker {dst}", self.deadline_s)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         peer = f"worker {src}" if src is not None else "any worker"
@@ -208,8 +210,7 @@ class Comm:
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor
 
-        peer = f"worker {src}" if src is not None else "any worker"
-        return Handle(work, "recv", peer, self.deadline_s, tensor, done, self.interrupted)
+        return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
 
     @timeline.timed("send")
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
@@ -222,7 +223,7 @@ class Comm:
     def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
         work = post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
-        Handle(work, "recv", "any worker", self.deadline_s, interrupted=self.interrupted).wait()
+        Handle(work, "recv", "any worker", self.deadline_s).wait()
         peer = sender_of(work, self.group)
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
         return peer

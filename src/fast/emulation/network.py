@@ -190,13 +190,12 @@ class TimedHandle(Handle):
         ready_at: Callable[[], float],
         result: Any = None,
         on_ready: Callable[[], Any] | None = None,
-        interrupted: Callable[[], str | None] | None = None,
     ) -> None:
         def done() -> Any:
             sleep_until(ready_at())
             return on_ready() if on_ready is not None else None
 
-        super().__init__(work, op, peer, deadline_s, result, done, interrupted)
+        super().__init__(work, op, peer, deadline_s, result, done)
         self._ready_at = ready_at
 
     def is_completed(self) -> bool:
@@ -293,8 +292,7 @@ class EmulatedComm(Comm):
         wire = _header(tx) if tx.lost else torch.cat([_header(tx), payload])
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, wire, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, payload.numel())  # a lost message still left the sender
-        return TimedHandle(work, "send", f"worker {dst}", self.deadline_s, lambda: tx.sent_at, wire,
-                           interrupted=self.interrupted)  # fmt: skip
+        return TimedHandle(work, "send", f"worker {dst}", self.deadline_s, lambda: tx.sent_at, wire)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         return self._irecv(tensor, src, tag)[0]
@@ -322,7 +320,7 @@ class EmulatedComm(Comm):
             self.counter.add_received(peer(), nbytes)
             return tensor
 
-        return TimedHandle(work, "recv", name, self.deadline_s, ready_at, tensor, arrived, self.interrupted), peer
+        return TimedHandle(work, "recv", name, self.deadline_s, ready_at, tensor, arrived), peer
 
     def _arrival(self, src: int, nbytes: int, stamp: Stamp) -> float:
         if stamp.lost or stamp.measurement:
@@ -343,14 +341,14 @@ class EmulatedComm(Comm):
         works = [post("send", name, self.deadline_s, dist.isend, p, dst=dst, group=self.group, tag=tag) for p in parts]
         self.counter.add_sent(dst, 8 + n)
         for work in works:
-            Handle(work, "send", f"worker {dst}", self.deadline_s, interrupted=self.interrupted).wait()
+            Handle(work, "send", f"worker {dst}", self.deadline_s).wait()
         sleep_until(tx.sent_at)
 
     def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         name = f"worker {src}" if src is not None else "any worker"
         work = post("recv", name, self.deadline_s, dist.irecv, header, src=src, group=self.group, tag=tag)
-        Handle(work, "recv", name, self.deadline_s, interrupted=self.interrupted).wait()
+        Handle(work, "recv", name, self.deadline_s).wait()
         peer = src if src is not None else sender_of(work, self.group)
         stamp = _read_header(header)
         lost, n = stamp.lost, stamp.length
@@ -360,7 +358,7 @@ class EmulatedComm(Comm):
         if n and not lost:
             name = f"worker {peer}"
             work = post("recv", name, self.deadline_s, dist.irecv, payload, src=peer, group=self.group, tag=tag)
-            Handle(work, "recv", name, self.deadline_s, interrupted=self.interrupted).wait()
+            Handle(work, "recv", name, self.deadline_s).wait()
         sleep_until(self._arrival(peer, 8 + n, stamp))
         if lost:
             raise MessageLost(f"a droppable message from worker {peer} (tag {tag}) was lost on its link")

@@ -38,7 +38,7 @@ def fingerprint(state: dict[str, Any]) -> str:
 
     def add(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 digest.update(str(key).encode())
@@ -199,7 +199,8 @@ class Live:
 
     def _heal(self, fresh: bool) -> None:
         """Collective over the new group: member 0 sends its state to each member that is new (`fresh`) or whose
-        step differs from its own. Catch-up traffic is counted apart from training's (summary `membership`)."""
+        step or shared state differs from its own. The catch-up is real traffic: counted in bytes_sent (and apart,
+        in the summary's `membership`), and over emulated links it takes their time."""
         world, started = self.world, time.monotonic()
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         with world.unmetered():
@@ -212,13 +213,11 @@ class Live:
             state = self._state()
             torch.save({**state, "fingerprint": fingerprint(self._model_state())}, buffer)
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            with world.unmetered():
-                for i in behind:
-                    world.send_bytes(payload, i)
+            for i in behind:  # metered: real traffic that churn costs (over emulated links too)
+                world.send_bytes(payload, i)
             sent = payload.numel() * len(behind)
         elif world.rank in behind:
-            with world.unmetered():
-                _, payload = world.recv_bytes(0)
+            _, payload = world.recv_bytes(0)
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load_state(state)
             if self.generation.number:  # (generation 0: the founders' first weights)

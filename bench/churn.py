@@ -1,0 +1,102 @@
+"""What churn costs each strategy: the language model of examples/lm on emulated links, with and without workers
+leaving and coming back (`[faults] churn`).
+
+    .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
+
+Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on links of 10 Mbit/s
+and 50 ms; with churn, each worker but worker 0 stays an exponential time of mean a third of the run, and a new
+one comes back after a mean of a tenth of it, healed from a live peer. Per strategy and seed: the final validation
+perplexity, steps, bytes, and the catch-ups' bytes and seconds; then, per strategy, the ratio of its mean
+perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco) within 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import fast
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "lm" / "lm.toml"
+NETWORK = {"network__bandwidth": "10Mbit", "network__latency": "50ms"}
+JOB = {"model__width": 96, "run__log_every": 10, "run__epochs": 1000, "run__max_steps": 100_000, "run__elastic": True,
+       "run__eval_every": 0, "eval__samples": 200, "schedule__name": "constant"}  # fmt: skip
+STRATEGIES = {
+    "sync": {"strategy__name": "sync", "strategy__bucket_mb": 8.0},
+    "local-sgd": {"strategy__name": "local-sgd", "strategy__period": 8},
+    "diloco": {
+        "strategy__name": "diloco",
+        "strategy__period": 16,
+        "strategy__outer_lr": 0.7,
+        "strategy__outer_momentum": 0.5,
+    },  # fmt: skip
+    "gossip": {"strategy__name": "gossip", "strategy__topology": "ring"},
+}
+PERIODIC = ("local-sgd", "diloco")
+TARGET = 0.05
+
+
+def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: bool) -> dict:
+    options = {**JOB, **NETWORK, **STRATEGIES[strategy], "run__seed": seed, "run__workers": workers,
+               "run__max_time": f"{seconds}s"}  # fmt: skip
+    if churn:
+        options.update(faults__churn__lifetime=f"{seconds / 3:g}s", faults__churn__absence=f"{seconds / 10:g}s")
+    started = time.monotonic()
+    summary = fast.train(str(CONFIG), out=str(out), **options)
+    events = summary.get("membership", [])
+    return {
+        "strategy": strategy,
+        "seed": seed,
+        "churn": churn,
+        "perplexity": summary.get("final_test_perplexity"),
+        "steps": summary["steps_per_worker"],
+        "wall_s": round(time.monotonic() - started, 1),
+        "bytes_sent": summary["bytes_sent"],
+        "catch_up_bytes": summary.get("catch_up_bytes", 0),
+        "catch_up_s": round(sum(e["catch_up_s"] for e in events[1:]), 3),
+        "changes": max(0, len(events) - 1),
+        "workers_at_end": summary.get("workers_at_end"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--time", type=float, default=120.0, help="training seconds per run")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-churn"))
+    args = parser.parse_args()
+    rows = []
+    for seed in range(args.seeds):
+        for strategy in args.strategies:
+            for churn in (False, True):  # alternated, so that a drift of the host hits both alike
+                name = f"{strategy}-{'churn' if churn else 'steady'}-seed{seed}"
+                row = one_run(args.out / name, strategy, seed, args.workers, args.time, churn)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    (args.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"\n{'strategy':<10} {'steady ppl':>11} {'churn ppl':>10} {'ratio':>7} {'changes':>8} {'catch-up MB':>12} "
+          f"{'catch-up s':>11}")  # fmt: skip
+    met = True
+    for strategy in args.strategies:
+        steady = [r["perplexity"] for r in rows if r["strategy"] == strategy and not r["churn"]]
+        churned = [r for r in rows if r["strategy"] == strategy and r["churn"]]
+        ratio = statistics.mean(r["perplexity"] for r in churned) / statistics.mean(steady)
+        if strategy in PERIODIC:
+            met = met and ratio <= 1 + TARGET
+        with_churn = statistics.mean(r["perplexity"] for r in churned)
+        print(f"{strategy:<10} {statistics.mean(steady):>11.3f} {with_churn:>10.3f} {ratio:>7.3f}"
+              f" {statistics.mean(r['changes'] for r in churned):>8.1f}"
+              f" {statistics.mean(r['catch_up_bytes'] for r in churned) / 1e6:>12.2f}"
+              f" {statistics.mean(r['catch_up_s'] for r in churned):>11.2f}")  # fmt: skip
+    print(f"\nperiodic family under churn within {TARGET:.0%} of its perplexity without: {'met' if met else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
