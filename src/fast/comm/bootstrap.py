@@ -129,14 +129,23 @@ def start_group(
     deadline_s: float,
     counter: Any = None,
     make_comm: Callable[..., Comm] = Comm,
+    connect_s: float | None = None,
 ) -> Comm:
     """Form a default process group of `world_size` over `store` (one generation of an elastic run's membership,
     fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
-    groups)."""
+    groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=deadline_s)
+    timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    with_deadline(None, deadline_s)
     return make_comm(deadline_s=deadline_s, device=device, counter=counter)
+
+
+def with_deadline(group: Any, deadline_s: float) -> None:
+    """Give `group` (None: the default one) the deadline of its operations, after a shorter one to connect."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=deadline_s), group)
 
 
 def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:

@@ -172,14 +172,22 @@ class Comm:
         self._channels.append(comm)
         return comm
 
-    def subgroups(self, partition: list[list[int]], *, gloo: bool = False) -> Comm | None:
+    def subgroups(
+        self, partition: list[list[int]], *, gloo: bool = False, connect_s: float | None = None
+    ) -> Comm | None:
         """Split into groups (collective: every rank calls with the same partition); returns this rank's. With
-        `gloo`, the groups are gloo groups on the CPU whatever this one's backend (control traffic)."""
+        `gloo`, the groups are gloo groups on the CPU whatever this one's backend (control traffic). Connecting
+        gives up after `connect_s` (default the deadline), the groups' operations after the deadline."""
         mine = None
         backend = "gloo" if gloo else dist.get_backend(self.group)
         device = "cpu" if gloo else self.device
+        connect = min(self.deadline_s, connect_s or self.deadline_s)
         for ranks in partition:
-            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.deadline_s))
+            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=connect))
+            if connect < self.deadline_s and self.rank in ranks:
+                from torch.distributed.distributed_c10d import _set_pg_timeout
+
+                _set_pg_timeout(timedelta(seconds=self.deadline_s), group)
             if self.rank in ranks:
                 mine = self._derived(group=group, ranks=list(ranks), device=device)
         return mine

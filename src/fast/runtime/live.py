@@ -15,6 +15,7 @@ member of rank r of n takes the r-th of the next n batches, so a change of membe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -29,7 +30,7 @@ from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
 from fast.runtime.control import Control
-from fast.runtime.membership import Generation, Member, RunEnded
+from fast.runtime.membership import FORM_S, Generation, Member, RunEnded
 
 
 def fingerprint(state: dict[str, Any]) -> str:
@@ -104,18 +105,19 @@ class Live:
         engine.abort()  # what is left of a group formed before, or half formed
         n, rank = len(generation.members), generation.members.index(self.rank)
         network = network_for(self.config, n, rank)  # emulated links: the same between any two members
+        self.generation = generation
         try:
             world = engine.start_group(self.member.group_store(generation), rank, n, self.device,
-                                       self.config.run.deadline_s, counter, comm_maker(network))  # fmt: skip
+                                       self.config.run.deadline_s, counter, comm_maker(network), FORM_S)  # fmt: skip
+            world.interrupted = self._superseded
+            control = world.subgroups([list(range(n))], gloo=True, connect_s=FORM_S)
         except RuntimeError as e:  # a member went between arriving and forming (the store's wait gave up)
             raise CommError(f"forming generation {generation.number}: {str(e).splitlines()[0]}") from None
         if network is not None:
             network.start_clock()
-        self.generation = generation
-        world.interrupted = self._superseded
         self.world = self.comm = world
         self.world_size = self.workers = n
-        self.control = Control(world.subgroups([list(range(n))], gloo=True), rank, False, self.config.strategy.name)
+        self.control = Control(control, rank, False, self.config.strategy.name)
         world.barrier()
         self._boundary_at = -1
         context = getattr(self, "context", None)
@@ -199,8 +201,7 @@ class Live:
 
     def _heal(self, fresh: bool) -> None:
         """Collective over the new group: member 0 sends its state to each member that is new (`fresh`) or whose
-        step or shared state differs from its own. The catch-up is real traffic: counted in bytes_sent (and apart,
-        in the summary's `membership`), and over emulated links it takes their time."""
+        step or shared state differs from its own (summary `membership`: the catch-up's bytes and seconds)."""
         world, started = self.world, time.monotonic()
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         with world.unmetered():
@@ -208,16 +209,21 @@ class Live:
         source = rows[0]
         behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or not torch.equal(row[1::2], source[1::2]))]
         sent = 0
+        # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
+        # later catch-up is real traffic that churn costs (over emulated links, it takes their time)
+        metered = world.unmetered() if self.generation.number == 0 else contextlib.nullcontext()
         if world.rank == 0 and behind:
             buffer = io.BytesIO()
             state = self._state()
             torch.save({**state, "fingerprint": fingerprint(self._model_state())}, buffer)
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            for i in behind:  # metered: real traffic that churn costs (over emulated links too)
-                world.send_bytes(payload, i)
+            with metered:
+                for i in behind:
+                    world.send_bytes(payload, i)
             sent = payload.numel() * len(behind)
         elif world.rank in behind:
-            _, payload = world.recv_bytes(0)
+            with metered:
+                _, payload = world.recv_bytes(0)
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load_state(state)
             if self.generation.number:  # (generation 0: the founders' first weights)
