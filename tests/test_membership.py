@@ -193,7 +193,7 @@ def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(
     expected = _reference_weights(run, events, summary["steps_per_worker"])
     trained = torch.load(run / "model.pt", weights_only=True)
     for name, tensor in expected.items():
-        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(

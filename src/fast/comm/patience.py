@@ -95,14 +95,22 @@ class PatientGroup:
                 return handle.wait()
 
         future = timing.shared("waiter", _Waiter).submit(job)
+        interrupted = self.comm.interrupted
+        end = timing.now() + deadline_s
         with waiting():
-            try:
-                return future.result(deadline_s)
-            except timing.FutureTimeout:
-                raise CommTimeout(
-                    f"{handle.op} with {handle.peer} did not complete within {deadline_s:g}s: the peer is "
-                    "gone or stuck (raise run.deadline_s if it is only slow)"
-                ) from None
+            while True:  # (a live membership: in slices, to give up as soon as the membership changes)
+                try:
+                    return future.result(deadline_s if interrupted is None else min(0.25, max(0.0, end - timing.now())))
+                except timing.FutureTimeout:
+                    if interrupted is not None and timing.now() < end:
+                        reason = interrupted()
+                        if reason is None:
+                            continue
+                        raise CommError(f"{handle.op} with {handle.peer} given up: {reason}") from None
+                    raise CommTimeout(
+                        f"{handle.op} with {handle.peer} did not complete within {deadline_s:g}s: the peer is "
+                        "gone or stuck (raise run.deadline_s if it is only slow)"
+                    ) from None
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, droppable: bool = False,
              deadline_s: float | None = None) -> None:  # fmt: skip

@@ -34,7 +34,7 @@ from torch import nn
 from fast.codecs import Codec
 from fast.comm.patience import PatientGroup
 from fast.config import Config
-from fast.errors import ConfigError
+from fast.errors import CommError, ConfigError
 from fast.exchange.neighbours import NeighbourRound, combine
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import PEER_OPTIONS, peer_messages, with_barrier
@@ -114,6 +114,8 @@ class Gossip(Strategy):
 
     def after_backward(self, step: int) -> None:
         arrived, lost, gone = self.exchange.finish()
+        if gone and self.ctx.config.run.elastic:  # the membership drops the peer: this step is taken again
+            raise CommError(f"the exchange with workers {sorted(gone)} failed: the membership re-forms")
         index = self.comm.index
         newly_dead = {index(peer) for peer in gone}
         for peer, how in gone.items():
