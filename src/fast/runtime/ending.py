@@ -419,7 +419,8 @@ class Ending:
         if self.elastic:
             summary["membership"] = self.membership
             summary["workers_at_end"] = self.workers
-            summary["catch_up_bytes"] = sum(event["catch_up_bytes"] for event in self.membership)
+            # (the first generation's are the founders' first weights, not a catch-up)
+            summary["catch_up_bytes"] = sum(event["catch_up_bytes"] for event in self.membership[1:])
         for name in metric_names:
             if name not in ("accuracy", "loss"):
                 summary[f"final_test_{name}"] = final.get(f"test_{name}")

@@ -65,6 +65,8 @@ class Live:
         self.membership: list[dict[str, Any]] = []  # member 0's record of each change (summary.json)
         self._boundary_at = -1  # the step whose membership round is done
         self.data_epoch, self.data_cursor = 0, 0
+        if self.joining:
+            self.member.ready()
         self._connect_newest(dropped_if_absent=False)
         signal.signal(signal.SIGTERM, self._leave_on_sigterm)
 

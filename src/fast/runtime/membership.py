@@ -112,6 +112,7 @@ class Coordinator:
         files.write_text(run_dir / SECRET_FILE, self.secret.hex(), private=True)
         files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.store.port}))
         self.members = list(range(founders))
+        self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
         self.next_id = founders
         self.generation = Generation(0, list(self.members), unix_time=time.time())
         self._exited: dict[int, str] = {}
@@ -162,7 +163,11 @@ class Coordinator:
         if _get(self.store, "ending") is not None:
             return
         left = self._departures()
-        joined = self._admissions()
+        self.pending += self._admissions()
+        # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
+        joined = [m for m in self.pending if _get(self.store, f"ready/{m}") is not None]
+        gave_up = [m for m in self.pending if _get(self.store, f"leave/{m}") is not None]
+        self.pending = [m for m in self.pending if m not in joined and m not in gave_up]
         # a member whose collective failed in the newest generation, with no departure to explain it: form it again
         suspected = int(self.store.add(PREFIX + f"suspicions/{self.generation.number}", 0)) > 0
         if not (left or joined or suspected):
@@ -232,7 +237,7 @@ class Coordinator:
         if difference is not None:
             return f"its config differs from the run's: {difference}"
         limit = self.config.run.max_workers or 256
-        if size >= limit:
+        if size + len(self.pending) >= limit:
             return f"the run already has {size} workers, its run.max_workers: try again when one leaves"
         return None
 
@@ -261,6 +266,10 @@ class Member:
                 return
             if self._stop.wait(HEARTBEAT_S):
                 return
+
+    def ready(self) -> None:
+        """A joiner's process is up: the coordinator puts it in the next generation."""
+        self.store.set(PREFIX + f"ready/{self.id}", "1")
 
     def newest(self) -> int:
         return int(self.store.get(PREFIX + "generation"))
