@@ -97,9 +97,10 @@ def check_membership(config: Config) -> None:
     refused = {
         "run.max_restarts": (run.max_restarts, "restarts every worker from a checkpoint: an elastic run heals live"),
         "run.engine": (run.engine == "simulated", "the simulated engine has no live membership yet"),
-        "[network] sites or links": (
-            network is not None and (network.sites or network.links),
-            "links that differ by rank cannot follow members whose ranks change; give every link the same values",
+        "[network]": (
+            network is not None,
+            "emulated links do not survive a change of membership yet (a message of the old group reached the new "
+            "one's and gloo aborted); train elastic runs on real links",
         ),
         "[compute]": (config.compute, "per-rank compute emulation cannot follow members whose ranks change"),
         "[faults] crash or link_down": (
