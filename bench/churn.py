@@ -3,11 +3,12 @@ back (`[faults] churn`).
 
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
 
-Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on this machine's own
-links (emulated links do not take live membership yet); with churn, each worker but worker 0 stays an exponential time of mean a third of the run, and a new
-one comes back after a mean of a tenth of it, healed from a live peer. Per strategy and seed: the final validation
-perplexity, steps, bytes, and the catch-ups' bytes and seconds; then, per strategy, the ratio of its mean
-perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco) within 5%.
+Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on this machine's
+own links (emulated links do not take live membership yet). With churn, each worker but worker 0 stays an
+exponential time of mean a third of the run, and a new one comes back after a mean of a tenth of it, healed from
+a live peer. Per strategy and seed: the final validation perplexity, steps, bytes, and the catch-ups' bytes and
+seconds; then, per strategy, the ratio of its mean perplexity with churn to its mean without. Target: the
+periodic family (local-sgd, diloco) within 5%.
 """
 
 from __future__ import annotations
