@@ -135,8 +135,10 @@ class Coordinator:
             self._exited[member] = how
 
     def evict(self, member: int, how: str) -> None:
-        """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM)."""
-        self.store.set(PREFIX + f"evict/{member}", how)
+        """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
+        the run is ending (its last collectives need every member: a crash then ends the run)."""
+        if _get(self.store, "ending") is None:
+            self.store.set(PREFIX + f"evict/{member}", how)
 
     def close(self) -> None:
         self._closing.set()
@@ -261,7 +263,7 @@ class Member:
                 evicted = _get(store, f"evict/{self.id}")
             except Exception:  # the run's launcher is gone: the lifeline ends this process
                 return
-            if evicted is not None:  # [faults] churn: leave as a crash would, or as SIGTERM makes it
+            if evicted is not None and _get(store, "ending") is None:  # [faults] churn: a crash, or SIGTERM
                 os.kill(os.getpid(), signal.SIGKILL if evicted == b"kill" else signal.SIGTERM)
                 return
             if self._stop.wait(HEARTBEAT_S):
