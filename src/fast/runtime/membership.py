@@ -250,7 +250,10 @@ class Member:
     def __init__(self, address: str, member: int, deadline_s: float) -> None:
         host, port = address.rsplit(":", 1)
         self.host, self.port, self.id, self.deadline_s = host, int(port), member, deadline_s
-        self.store = _store(host, int(port), timeout_s=deadline_s)
+        try:
+            self.store = _store(host, int(port), timeout_s=deadline_s)
+        except (RuntimeError, ValueError):  # the launcher and its store are gone
+            raise RunEnded(f"the run's membership at {address} does not answer: the run has ended") from None
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
         self._beats.start()

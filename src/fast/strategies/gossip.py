@@ -59,6 +59,7 @@ class Gossip(Strategy):
         "overlap": 1.0
     }  # posted before the forward pass, awaited after backward (Langer et al. 2020 Fig. 15)
     waits_every_step = True
+    fallback: str | None = None  # the topology a live membership fell back to, when the configured one did not fit
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
@@ -83,7 +84,6 @@ class Gossip(Strategy):
         super().setup(model, optimizer)
         self.state = FlatState.of_replica(model)
         self.exchanges = self.steps = self.lost_messages = 0
-        self.fallback: str | None = None
         self.regroup()
 
     def regroup(self) -> None:
