@@ -200,8 +200,9 @@ def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(
     expected = _reference_weights(run, events, summary["steps_per_worker"])
     trained = torch.load(run / "model.pt", weights_only=True)
     for name, tensor in expected.items():
-        # sums in another order: rounding drifts by up to about 2e-5 over 1,500 steps (4.8e-5 over 3,200)
-        torch.testing.assert_close(trained[name], tensor, rtol=1e-3, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+        # sums in another order drift by rounding, up to 9e-5 over 1,500 steps; a wrong schedule is far off (measured
+        # on one run: 3 members throughout, 0.086; the leave one step late, 0.056)
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(
