@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fast.comm import Comm
+from fast.comm.comm import with_deadline
 from fast.errors import ConfigError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -139,13 +140,6 @@ def start_group(
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     with_deadline(None, deadline_s)
     return make_comm(deadline_s=deadline_s, device=device, counter=counter)
-
-
-def with_deadline(group: Any, deadline_s: float) -> None:
-    """Give `group` (None: the default one) the deadline of its operations, after a shorter one to connect."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timedelta(seconds=deadline_s), group)
 
 
 def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:

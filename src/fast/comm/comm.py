@@ -107,6 +107,13 @@ def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> 
     return CommError(f"{op} with {peer} failed: {text}")
 
 
+def with_deadline(group: Any, deadline_s: float) -> None:
+    """Give `group` (None: the default one) the deadline of its operations, after a shorter one to connect."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=deadline_s), group)
+
+
 def sender_of(work: Any, group: Any) -> int:
     """The global rank whose message a completed receive-from-any took. (torch's own `recv` asks the same of the
     work's group rank; the public `Work.source_rank` is deprecated and prints a C++ warning at every call.)"""
@@ -185,9 +192,7 @@ class Comm:
         for ranks in partition:
             group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=connect))
             if connect < self.deadline_s and self.rank in ranks:
-                from torch.distributed.distributed_c10d import _set_pg_timeout
-
-                _set_pg_timeout(timedelta(seconds=self.deadline_s), group)
+                with_deadline(group, self.deadline_s)
             if self.rank in ranks:
                 mine = self._derived(group=group, ranks=list(ranks), device=device)
         return mine
