@@ -2,11 +2,12 @@
 back (`[faults] churn`).
 
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
+                                    [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
 
-Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on this machine's
-own links (emulated links do not take live membership yet). With churn, each worker but worker 0 stays an
-exponential time of mean a third of the run, and a new one comes back after a mean of a tenth of it, healed from
-a live peer. Per strategy and seed: the final validation perplexity, steps, bytes, and the catch-ups' bytes and
+Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on emulated links
+(`[network]`, 10 Mbit/s and 50 ms by default; `--real-links`: this machine's own). With churn, each worker but
+worker 0 stays an exponential time of mean a third of the run, and a new one comes back after a mean of a tenth
+of it, healed from a live peer. Per strategy and seed: the final validation perplexity, steps, bytes, and the catch-ups' bytes and
 seconds; then, per strategy, the ratio of its mean perplexity with churn to its mean without. Target: the
 periodic family (local-sgd, diloco) within 5%.
 """
@@ -40,8 +41,9 @@ PERIODIC = ("local-sgd", "diloco")
 TARGET = 0.05
 
 
-def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: bool) -> dict:
-    options = {**JOB, **STRATEGIES[strategy], "run__seed": seed, "run__workers": workers,
+def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: bool,
+            network: dict[str, str]) -> dict:  # fmt: skip
+    options = {**JOB, **STRATEGIES[strategy], **network, "run__seed": seed, "run__workers": workers,
                "run__max_time": f"{seconds}s"}  # fmt: skip
     if churn:
         options.update(faults__churn__lifetime=f"{seconds / 3:g}s", faults__churn__absence=f"{seconds / 10:g}s")
@@ -70,13 +72,17 @@ def main() -> int:
     parser.add_argument("--time", type=float, default=120.0, help="training seconds per run")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--out", type=Path, default=Path("runs/bench-churn"))
+    parser.add_argument("--bandwidth", default="10Mbit", help="every emulated link, each direction")
+    parser.add_argument("--latency", default="50ms", help="every emulated link, one way")
+    parser.add_argument("--real-links", action="store_true", help="no [network]: this machine's own links")
     args = parser.parse_args()
+    network = {} if args.real_links else {"network__bandwidth": args.bandwidth, "network__latency": args.latency}
     rows = []
     for seed in range(args.seeds):
         for strategy in args.strategies:
             for churn in (False, True):  # alternated, so that a drift of the host hits both alike
                 name = f"{strategy}-{'churn' if churn else 'steady'}-seed{seed}"
-                row = one_run(args.out / name, strategy, seed, args.workers, args.time, churn)
+                row = one_run(args.out / name, strategy, seed, args.workers, args.time, churn, network)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     (args.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

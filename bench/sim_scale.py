@@ -1,6 +1,6 @@
 """The simulated engine at scale: host cost and memory against workers, and the papers' questions at 8 to 256 workers.
 
-    .venv/bin/python bench/sim_scale.py [--workers 16 64 256] [--epochs 1] [--sections scale figures]
+    .venv/bin/python bench/sim_scale.py [--workers 16 64 256] [--epochs 1] [--sections scale churn figures]
                                         [--only NAME] [--reports DIR] [--out results.json]
 
 Fashion-MNIST, LeNet-5, batch 16 per worker (so that 256 workers still take 14 steps an epoch), SGD (lr 0.05,
@@ -14,6 +14,10 @@ repeats exactly). Each run is a process of its own, so that its peak memory is i
   simulated worker-step should stay about flat as workers grow (a cost linear in workers x steps); they count
   training only, from the start to worker 0's `job.finish` (the end evaluates every replica of a decentralised
   run, a cost that grows with workers, not steps). Every 256-worker run must end within 30 minutes and 8 GiB.
+- `churn`: at the largest worker count, `gossip` (torus) and `diloco` (period 4), elastic, without churn and with
+  `[faults] churn` (each worker's mean lifetime a third of the steady run's virtual time, mean absence a tenth):
+  host seconds, peak memory, accuracy, membership changes and catch-up bytes. Each churn run is made twice: the
+  two must be equal (deterministic by seed). Within the same 30 minutes and 8 GiB.
 - `figures`: `fast compare` of `examples/scale/trend.toml` (paper 004: at a fixed per-worker batch, `sync`
   against `async-ps` at 8, 32 and 128 workers; asynchronous accuracy should fall as workers grow while
   synchronous accuracy holds) and of `examples/scale/partial.toml` (gossip's send probability against the
@@ -79,6 +83,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "accuracy": summary["final_test_accuracy"],
         "divergence": summary.get("replica_divergence"),
         "bytes_sent": summary["bytes_sent"],
+        "changes": max(0, len(summary.get("membership", [])) - 1),
+        "catch_up_bytes": summary.get("catch_up_bytes"),
+        "workers_at_end": summary.get("workers_at_end"),
+        "membership": summary.get("membership"),
     }
 
 
@@ -90,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--sections", nargs="+", choices=["scale", "figures"], default=["scale", "figures"])
+    parser.add_argument("--sections", nargs="+", choices=["scale", "churn", "figures"], default=["scale", "figures"])
     parser.add_argument("--reports", default="runs/sim-scale", help="where the figures' reports go")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--only", help="scale: only the variants whose name contains this, e.g. async-ps")
@@ -101,8 +109,45 @@ def main() -> None:
         return
     if "scale" in args.sections:
         scale(args)
+    if "churn" in args.sections:
+        churn(max(args.workers), args.epochs)
     if "figures" in args.sections:
         figures(Path(args.reports))
+
+
+def _one_process(job: dict[str, Any]) -> dict[str, Any] | str:
+    """The figures of `job`, run in a process of its own (its peak memory its own), or why it failed."""
+    done = subprocess.run([sys.executable, __file__, "--one", json.dumps(job)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"failed: {done.stderr.strip().splitlines()[-1:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def churn(workers: int, epochs: float) -> None:
+    print("| workers | variant | churn | steps/worker | virtual s | host s | peak MB | accuracy | changes | "
+          "catch-up MB | workers at end | repeats |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
+          flush=True)  # fmt: skip
+    strategies = {"gossip": {"name": "gossip", "topology": torus(workers)}, "diloco": {"name": "diloco", "period": 4}}
+    for name, strategy in strategies.items():
+        job = config(workers, strategy, epochs)
+        job["run"]["elastic"] = True
+        steady = _one_process(job)
+        if isinstance(steady, str):
+            print(f"| {workers} | {name} | no | {steady} |", flush=True)
+            continue
+        lifetime, absence = steady["virtual_s"] / 3, steady["virtual_s"] / 10
+        job["faults"] = {"churn": {"lifetime": f"{lifetime:.4g}s", "absence": f"{absence:.4g}s"}}
+        churned, again = _one_process(job), _one_process(job)
+        for label, row in (("no", steady), (f"{lifetime:.2g} s / {absence:.2g} s", churned)):
+            if isinstance(row, str):
+                print(f"| {workers} | {name} | {label} | {row} |", flush=True)
+                continue
+            repeats = "-" if row is steady else "yes" if isinstance(again, dict) and all(
+                again[k] == row[k] for k in ("membership", "accuracy", "bytes_sent")) else "NO"  # fmt: skip
+            print(f"| {workers} | {name} | {label} | {row['steps_per_worker']} | {cell(row['virtual_s'], 2)} | "
+                  f"{cell(row['host_s'])} | {cell(row['peak_memory_mb'], 0)} | {cell(row['accuracy'], 4)} | "
+                  f"{row['changes']} | {cell((row['catch_up_bytes'] or 0) / 1e6)} | {row['workers_at_end']} | "
+                  f"{repeats} |", flush=True)  # fmt: skip
 
 
 def figures(reports: Path) -> None:
@@ -120,12 +165,11 @@ def scale(args: argparse.Namespace) -> None:
           "divergence |\n|---|---|---|---|---|---|---|---|---|", flush=True)  # fmt: skip
     rows = []
     for name, workers, strategy in plan:
-        job = json.dumps(config(workers, strategy, args.epochs))
-        done = subprocess.run([sys.executable, __file__, "--one", job], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"| {workers} | {name} | failed: {done.stderr.strip().splitlines()[-1:]} |", flush=True)
+        figures = _one_process(config(workers, strategy, args.epochs))
+        if isinstance(figures, str):
+            print(f"| {workers} | {name} | {figures} |", flush=True)
             continue
-        row = {"variant": name, "workers": workers, **json.loads(done.stdout.strip().splitlines()[-1])}
+        row = {"variant": name, "workers": workers, **figures}
         rows.append(row)
         print(f"| {workers} | {name} | {row['steps_per_worker']} | {cell(row['virtual_s'])} | {cell(row['host_s'])} | "
               f"{cell(row['host_ms_per_worker_step'], 2)} | {cell(row['peak_memory_mb'], 0)} | "

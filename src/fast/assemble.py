@@ -93,15 +93,9 @@ def check_membership(config: Config) -> None:
         taking = ", ".join(sorted(name for name, cls in registry().items() if cls.joins))
         raise ConfigError(f"run.elastic: strategy {config.strategy.name!r} does not take live membership changes "
                           f"yet ({strategy.joins_why}); elastic runs take: {taking}")  # fmt: skip
-    network, faults = config.network, config.faults
+    faults = config.faults
     refused = {
         "run.max_restarts": (run.max_restarts, "restarts every worker from a checkpoint: an elastic run heals live"),
-        "run.engine": (run.engine == "simulated", "the simulated engine has no live membership yet"),
-        "[network]": (
-            network is not None,
-            "emulated links do not survive a change of membership yet (a message of the old group reached the new "
-            "one's and gloo aborted); train elastic runs on real links",
-        ),
         "[compute]": (config.compute, "per-rank compute emulation cannot follow members whose ranks change"),
         "[faults] crash or link_down": (
             faults is not None and (faults.crash or faults.link_down),

@@ -157,6 +157,8 @@ class Comm:
         self.local_sums: Any = None
         # a live membership's groups: why a wait should give up now (a newer membership), or None (Handle)
         self.interrupted: Callable[[], str | None] | None = None
+        # a live membership's groups: how long making a group waits for its members (a member may be gone)
+        self.connect_s: float | None = None
 
     # -- who ---------------------------------------------------------------------------------------------
     @property
@@ -174,7 +176,7 @@ class Comm:
     # -- groups ------------------------------------------------------------------------------------------
     def separate_group(self) -> Comm:
         """A separate gloo group over the same ranks, for background threads (collective: all ranks call it)."""
-        group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=self.deadline_s))
+        group = self._connect_group(self.ranks, "gloo", self.connect_s)
         comm = self._derived(group=group, ranks=self.ranks, device="cpu")
         self._channels.append(comm)
         return comm
@@ -184,24 +186,34 @@ class Comm:
     ) -> Comm | None:
         """Split into groups (collective: every rank calls with the same partition); returns this rank's. With
         `gloo`, the groups are gloo groups on the CPU whatever this one's backend (control traffic). Connecting
-        gives up after `connect_s` (default the deadline), the groups' operations after the deadline."""
+        gives up after `connect_s` (default this group's own, or the deadline), the groups' operations after the
+        deadline."""
         mine = None
         backend = "gloo" if gloo else dist.get_backend(self.group)
         device = "cpu" if gloo else self.device
-        connect = min(self.deadline_s, connect_s or self.deadline_s)
         for ranks in partition:
-            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=connect))
-            if connect < self.deadline_s and self.rank in ranks:
-                with_deadline(group, self.deadline_s)
+            group = self._connect_group(ranks, backend, connect_s or self.connect_s)
             if self.rank in ranks:
                 mine = self._derived(group=group, ranks=list(ranks), device=device)
         return mine
+
+    def _connect_group(self, ranks: list[int], backend: str, connect_s: float | None) -> Any:
+        """A new process group (collective), whose connecting gives up after `connect_s` (a CommError: a member
+        did not come) and whose operations after the deadline."""
+        connect = min(self.deadline_s, connect_s or self.deadline_s)
+        try:
+            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=connect))
+        except RuntimeError as e:  # the store's wait for a member gave up (DistStoreError)
+            raise CommError(f"forming a group of workers {ranks}: {str(e).splitlines()[0]}") from None
+        if connect < self.deadline_s and self.rank in ranks:
+            with_deadline(group, self.deadline_s)
+        return group
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
         """A Comm of the same kind over another group, sharing this one's byte counter (and interruption)."""
         comm = Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
                     rank=self.rank, world_size=self._world_size)  # fmt: skip
-        comm.interrupted = self.interrupted
+        comm.interrupted, comm.connect_s = self.interrupted, self.connect_s
         return comm
 
     def unmetered(self) -> Any:

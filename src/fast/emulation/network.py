@@ -273,7 +273,7 @@ class EmulatedComm(Comm):
             rank=self.rank,
             world_size=self._world_size,
         )
-        comm.interrupted = self.interrupted
+        comm.interrupted, comm.connect_s = self.interrupted, self.connect_s
         return comm
 
     def _transmit(self, dst: int, nbytes: int, tag: int, droppable: bool) -> Transmission:

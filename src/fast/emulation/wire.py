@@ -66,6 +66,14 @@ class Wire:
         self.host_step_s: list[float] = []  # run.step_time = "auto": the first steps, timed on the host
         self.host_request_s: list[float] = []  # run.server_time = "auto": the servers' first requests, likewise
 
+    def add(self, rank: int) -> None:
+        """A process that joins the run (live membership) gets its place on the wire."""
+        while len(self.networks) <= rank:
+            network = Network(self.links, len(self.networks), self.seed)
+            network.start_clock(0.0)
+            self.networks.append(network)
+        self.world_size = len(self.networks)
+
     def group(self, key: tuple[Any, ...]) -> int:
         """The number of the group every member names by `key` (members create their groups in the same order)."""
         return self.groups.setdefault(key, len(self.groups))

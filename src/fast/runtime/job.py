@@ -175,11 +175,11 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.workers = run.workers
         # live membership: the rank is the member's id for the run's life, its place in a group changes
         self.elastic = run.elastic
-        if self.elastic and "FAST_MEMBERSHIP" not in os.environ:
+        if self.elastic and not self.simulated and "FAST_MEMBERSHIP" not in os.environ:
             raise ConfigError("run.elastic: start the run with `fast train` or `fast run`, whose launcher keeps its "
                               "membership (not torchrun, nor the script alone)")  # fmt: skip
         if self.elastic:
-            self.rank = int(os.environ.get("FAST_MEMBER_ID", self.rank))
+            self.rank = self.rank if self.simulated else int(os.environ.get("FAST_MEMBER_ID", self.rank))
             self.world_size = world_size(config)
         expected = world_size(config)
         if self.world_size != expected:
@@ -335,12 +335,15 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             with self.world.unmetered():
                 for server in range(self.workers, self.world_size):
                     self.world.send(torch.tensor([layout.parameters, layout.state]), server, tag=LAYOUT_TAG)
-        self.strategy.setup(model, optimizer)
+        if self.elastic:
+            self._set_up_live(lambda: self.strategy.setup(model, optimizer))
+        else:
+            self.strategy.setup(model, optimizer)
         self.driver.attach(model, optimizer)
         offset = self._restore() if self.resuming else 0.0
-        if self.elastic:  # every member from member 0's state: a founder its first weights, a joiner all of it
-            self._heal(fresh=True)
-        if not self.elastic:  # (the heal was an elastic run's common start)
+        if self.elastic:  # the common start: every member from member 0's state
+            self._first_heal()
+        else:
             self.world.barrier()  # the common start, servers included
         self.machine.start(self.world)
         self.clock = Clock(offset, self.timeline)

@@ -201,12 +201,14 @@ def launch(
 
     With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
     others are not stopped; rank 0 (which writes the outputs) must end well. `on_exit(rank, exit code)` is told
-    of each process as it ends (a live membership's coordinator)."""
+    of each process as it ends (a live membership's coordinator); it returns True for a process that was told to
+    go (churn), which is then never named as the run's failure."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
     outputs: dict[int, Any] = {}
     exited: dict[int, int] = {}  # processes that ended by themselves, with their exit codes
+    told_to_go: set[int] = set()
     interrupt: KeyboardInterrupt | None = None
     try:
         ctx = _context()
@@ -255,8 +257,8 @@ def launch(
                 rank, proc = pending.pop(ready)
                 proc.join()
                 exited[rank] = proc.exitcode
-                if on_exit is not None:
-                    on_exit(rank, proc.exitcode)
+                if on_exit is not None and on_exit(rank, proc.exitcode):
+                    told_to_go.add(rank)
                 fatal = not survivable or rank == 0
                 if proc.exitcode != 0 and fatal and settle_until is None:
                     settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
@@ -280,7 +282,7 @@ def launch(
         raise interrupted(interrupt) from None
     if survivable and not isinstance(outputs.get(0), Failure) and exited.get(0) == 0:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
-    failure = _root_cause(outputs, exited)
+    failure = _root_cause(outputs, {rank: code for rank, code in exited.items() if rank not in told_to_go})
     if failure is not None:
         raise WorkerFailed(failure.message, failure.exit_code, failure.traceback)
     return outputs

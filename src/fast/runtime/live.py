@@ -20,17 +20,18 @@ import hashlib
 import io
 import os
 import signal
-import time
 from typing import Any
 
 import torch
 
 from fast.comm import bootstrap as engine
+from fast.comm import timing
 from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
 from fast.runtime.control import Control
 from fast.runtime.membership import FORM_S, Generation, Member, RunEnded
+from fast.runtime.simulated_membership import simulated_member
 
 
 def fingerprint(state: dict[str, Any]) -> str:
@@ -59,8 +60,13 @@ class Live:
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
-        self.member = Member(os.environ["FAST_MEMBERSHIP"], self.rank, self.config.run.deadline_s)
-        self.joining = os.environ.get("FAST_JOINING") == "1"
+        deadline_s = self.config.run.deadline_s
+        if self.simulated:
+            self.member = simulated_member(self.rank, deadline_s)
+            self.joining = self.member.joining
+        else:
+            self.member = Member(os.environ["FAST_MEMBERSHIP"], self.rank, deadline_s)
+            self.joining = os.environ.get("FAST_JOINING") == "1"
         self.generation: Generation | None = None
         self.membership: list[dict[str, Any]] = []  # member 0's record of each change (summary.json)
         self._boundary_at = -1  # the step whose membership round is done
@@ -68,7 +74,8 @@ class Live:
         if self.joining:
             self.member.ready()
         self._connect_newest(dropped_if_absent=False)
-        signal.signal(signal.SIGTERM, self._leave_on_sigterm)
+        if not self.simulated:
+            signal.signal(signal.SIGTERM, self._leave_on_sigterm)
 
     def _leave_on_sigterm(self, signum: int, frame: Any) -> None:
         """SIGTERM: say so to the coordinator and go; the others re-form at once, without waiting for a deadline."""
@@ -81,7 +88,7 @@ class Live:
         after = -1 if self.generation is None else self.generation.number
         while True:
             newest = self.member.newest()
-            if newest > after or self.generation is None:
+            if newest > after:
                 generation = self.member.generation(newest)
             else:
                 generation = self.member.wait_for(after)
@@ -106,13 +113,14 @@ class Live:
         counter = self.world.counter if getattr(self, "world", None) is not None else None
         engine.abort()  # what is left of a group formed before, or half formed
         n, rank = len(generation.members), generation.members.index(self.rank)
-        network = network_for(self.config, n, rank)  # emulated links: the same between any two members
+        # emulated links, the same between any two members (a simulated group's are on the simulation's wire)
+        network = None if self.simulated else network_for(self.config, n, rank)
         self.generation = generation
         try:
-            world = engine.start_group(self.member.group_store(generation), rank, n, self.device,
-                                       self.config.run.deadline_s, counter, comm_maker(network), FORM_S)  # fmt: skip
-            world.interrupted = self._superseded
-            control = world.subgroups([list(range(n))], gloo=True, connect_s=FORM_S)
+            world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
+                                     comm_maker(network))  # fmt: skip
+            world.interrupted, world.connect_s = self._superseded, FORM_S
+            control = world.subgroups([world.ranks], gloo=True)
         except RuntimeError as e:  # a member went between arriving and forming (the store's wait gave up)
             raise CommError(f"forming generation {generation.number}: {str(e).splitlines()[0]}") from None
         if network is not None:
@@ -143,7 +151,7 @@ class Live:
             return
         while True:
             limit = self.config.run.max_time_s
-            newer = int(self.member.newest() > self.generation.number) if self.world.rank == 0 else 0
+            newer = int(self.member.newest() > self.generation.number) if self.world.index() == 0 else 0
             out_of_time = int(limit is not None and self.trained_s >= limit)
             try:
                 answer = self.control.round(control.MEMBERSHIP, self.step, [newer, out_of_time], set())
@@ -157,19 +165,36 @@ class Live:
                 return
             self._regroup(failed=False)
 
+    def _set_up_live(self, set_up: Any) -> None:
+        """Set the strategy up over the first group (`set_up`); if a member went meanwhile (a group of the setup
+        did not form), re-form without it (which re-makes the strategy's groups: the setup has set its model)."""
+        try:
+            set_up()
+        except CommError:
+            self._regroup(failed=True, heal=False)
+
+    def _first_heal(self) -> None:
+        """Every member from member 0's state: a founder its first weights, a joiner all of it."""
+        try:
+            self._heal(fresh=True)
+        except CommError:
+            self._regroup(failed=True, fresh=True)
+
     def _step_failed(self) -> None:
         """A collective of this step failed: the step is discarded here and on every survivor; re-form and heal."""
         self._regroup(failed=True)
 
-    def _regroup(self, failed: bool) -> None:
+    def _regroup(self, failed: bool, fresh: bool = False, heal: bool = True) -> None:
         if failed:
             self.member.suspect(self.generation.number)
         engine.abort()  # a peer still waiting in a collective of the old group fails now
         self.strategy.abandon()
         while True:
             self._connect_newest()
+            if not heal:
+                return
             try:
-                self._heal(fresh=False)
+                self._heal(fresh=fresh)
                 return
             except CommError:
                 self.member.suspect(self.generation.number)
@@ -202,54 +227,62 @@ class Live:
                 "strategy": self.strategy.shared_state()}  # fmt: skip
 
     def _heal(self, fresh: bool) -> None:
-        """Collective over the new group: member 0 sends its state to each member that is new (`fresh`) or whose
-        step or shared state differs from its own (summary `membership`: the catch-up's bytes and seconds)."""
-        world, started = self.world, time.monotonic()
+        """Collective over the new group: each member that is new (`fresh`) or whose step or shared state differs
+        from member 0's is sent a whole state by one that is not: the first by member 0, the next by the next such
+        member, and so on, so that several catch-ups go at once, from as many live peers (summary `membership`:
+        the catch-ups' bytes and seconds)."""
+        world, started, me = self.world, timing.now(), self.world.index()
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         with world.unmetered():
             rows = world.all_gather(torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
-        source = rows[0]
-        behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or not torch.equal(row[1::2], source[1::2]))]
+        first = rows[0]
+        behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or not torch.equal(row[1::2], first[1::2]))]
+        sources = [i for i in range(len(rows)) if i not in behind]
+        source_of = {member: sources[j % len(sources)] for j, member in enumerate(behind)}
         sent = 0
         # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
         # later catch-up is real traffic that churn costs (over emulated links, it takes their time)
         metered = world.unmetered() if self.generation.number == 0 else contextlib.nullcontext()
-        if world.rank == 0 and behind:
+        mine = [member for member, source in source_of.items() if source == me]
+        if mine:
             buffer = io.BytesIO()
-            state = self._state()
-            torch.save({**state, "fingerprint": fingerprint(self._model_state())}, buffer)
+            torch.save({**self._state(), "fingerprint": fingerprint(self._model_state())}, buffer)
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
             with metered:
-                for i in behind:
-                    world.send_bytes(payload, i)
-            sent = payload.numel() * len(behind)
-        elif world.rank in behind:
+                for member in mine:
+                    world.send_bytes(payload, world.ranks[member])
+            sent = payload.numel() * len(mine)
+        elif me in source_of:
             with metered:
-                _, payload = world.recv_bytes(0)
+                _, payload = world.recv_bytes(world.ranks[source_of[me]])
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load_state(state)
             if self.generation.number:  # (generation 0: the founders' first weights)
                 self.records.add({"worker": self.rank, "kind": "healed", "step": self.step,
-                                  "time_s": round(self.clock.now(), 4), "from": int(rows[0][0]),
+                                  "time_s": round(self.clock.now(), 4), "from": int(rows[source_of[me]][0]),
                                   "generation": self.generation.number, "fingerprint": fingerprint(self._model_state()),
                                   "source_fingerprint": state["fingerprint"]})  # fmt: skip
-        if world.rank == 0 and self.is_main:
+        if behind:  # every catch-up is done: what each source sent
+            with world.unmetered():
+                sent = int(sum(world.all_gather(torch.tensor([sent], dtype=torch.int64))))
+        if me == 0 and self.is_main:
             generation = self.generation
-            before = self.membership[-1] if self.membership else {"generation": -1, "members": []}
+            founders = {"generation": -1, "members": self.member.generation(0).members}
+            before = self.membership[-1] if self.membership else founders
             # what changed since the last generation that formed (those in between were superseded)
             skipped = [self.member.generation(n) for n in range(before["generation"] + 1, generation.number + 1)]
             gone = [m for m in before["members"] if m not in generation.members]
             self.membership.append({
                 "generation": generation.number,
                 "step": self.step,
-                "unix_time": time.time(),
+                "unix_time": timing.wall(),
                 "members": generation.members,
-                "joined": [m for m in generation.members if m not in before["members"]] if before["members"] else [],
+                "joined": [m for m in generation.members if m not in before["members"]],
                 "left": [entry for g in skipped for entry in g.left if entry["member"] in gone],
                 "healed": [int(rows[i][0]) for i in behind],
-                "healed_from": self.rank,
+                "healed_from": [int(rows[source_of[i]][0]) for i in behind],
                 "catch_up_bytes": sent,
-                "catch_up_s": round(time.monotonic() - started, 4),
+                "catch_up_s": round(timing.now() - started, 4),
             })  # fmt: skip
         if fresh:
             self._boundary_at = -1

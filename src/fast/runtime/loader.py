@@ -189,7 +189,7 @@ class ShardedLoader:
             if job.data_cursor + job.workers * b > len(order):  # the epoch is over, for every member at once
                 job.data_epoch, job.data_cursor = job.data_epoch + 1, 0
                 return
-            start = job.data_cursor + job.world.rank * b
+            start = job.data_cursor + job.world.index() * b
             self.taken += 1
             yield next(self._fetch([order[start : start + b]]))
 

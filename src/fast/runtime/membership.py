@@ -30,8 +30,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from fast.comm import bootstrap as engine
+from fast.comm.comm import Comm
 from fast.config import Config
 from fast.errors import ConfigError, FastError
 from fast.runtime import files
@@ -42,6 +45,8 @@ HEARTBEAT_S = 0.5  # how often a member says it is alive
 SILENT_S = 10.0  # a member silent this long is dropped (a local process's exit is seen at once)
 POLL_S = 0.02
 FORM_S = 10.0  # the longest a member waits for another to form a generation's group
+# a member's process: c10d's warning on each store wait that gave up is how a change of membership is seen, not news
+QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 PREFIX = "fast/membership/"
 # config keys a joiner may hold differently from the run: where its own outputs go and how it runs locally
 PER_PROCESS_KEYS = ("run.threads_per_worker", "run.device", "run.tensorboard", "run.trace", "run.master_port")
@@ -72,6 +77,15 @@ class Generation:
     @classmethod
     def from_json(cls, text: str | bytes) -> Generation:
         return cls(**json.loads(text))
+
+
+def why_it_ends(members: list[int], min_workers: int) -> str | None:
+    """Why a run whose members are `members` cannot go on, or None."""
+    if 0 not in members:
+        return "worker 0, which writes the run's outputs, is gone: the run cannot go on"
+    if len(members) < min_workers:
+        return f"{len(members)} workers remain, fewer than run.min_workers = {min_workers}: the run cannot go on"
+    return None
 
 
 def _store(host: str, port: int, *, hosting: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
@@ -119,6 +133,7 @@ class Coordinator:
         self._seen_requests = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._started = False
         self.store.set(PREFIX + "challenge", self.challenge)
         self._publish(self.generation)
         self._thread = threading.Thread(target=self._watch, name="fast-membership", daemon=True)
@@ -126,13 +141,20 @@ class Coordinator:
 
     def environment(self) -> dict[str, str]:
         """What a founder's process needs to find the membership."""
-        return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}"}
+        return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}", **QUIET}
 
-    def exited(self, member: int, exit_code: int | None) -> None:
-        """The launcher saw a founder's process end (0: it finished)."""
+    def started(self) -> bool:
+        """Whether a generation's group has formed yet (training has started)."""
+        if not self._started:
+            self._started = _get(self.store, f"settled/{self.generation.number}") == b"formed"
+        return self._started
+
+    def exited(self, member: int, exit_code: int | None) -> bool:
+        """The launcher saw a founder's process end (0: it finished); True if it was told to go (churn)."""
         how = "killed" if exit_code is not None and exit_code < 0 else f"exited with code {exit_code}"
         with self._lock:
             self._exited[member] = how
+        return _get(self.store, PREFIX + f"evict/{member}") is not None
 
     def evict(self, member: int, how: str) -> None:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
@@ -176,13 +198,8 @@ class Coordinator:
             return
         gone = {entry["member"] for entry in left}
         members = [m for m in self.members if m not in gone] + joined
-        failed = None
-        if len(members) < self.config.run.min_workers:
-            failed = (f"{len(members)} workers remain, fewer than run.min_workers = {self.config.run.min_workers}: "
-                      "the run cannot go on")  # fmt: skip
-        if 0 not in members:
-            failed = "worker 0, which writes the run's outputs, is gone: the run cannot go on"
         self.members = members
+        failed = why_it_ends(members, self.config.run.min_workers)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
 
     def _departures(self) -> list[dict[str, Any]]:
@@ -326,6 +343,14 @@ class Member:
         FORM_S (a member that died between arriving and forming does not hold the others up for a deadline)."""
         store = _store(self.host, self.port, timeout_s=min(self.deadline_s, FORM_S))
         return dist.PrefixStore(PREFIX + f"group/{generation.number}/", store)
+
+    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
+             make_comm: Any) -> Comm:  # fmt: skip
+        """This member's Comm over `generation`'s group (collective over its members; RuntimeError if one
+        does not come within FORM_S)."""
+        n, rank = len(generation.members), generation.members.index(self.id)
+        return engine.start_group(self.group_store(generation), rank, n, device, deadline_s, counter, make_comm,
+                                  FORM_S)  # fmt: skip
 
     def suspect(self, generation: int) -> None:
         """A collective of this member's in `generation` failed: ask the coordinator to form it again, unless a

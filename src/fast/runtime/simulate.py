@@ -20,12 +20,14 @@ from fast.emulation.deployment import link_table
 from fast.emulation.simulated_machine import Crashed
 from fast.emulation.wire import ideal_links, start
 from fast.runtime.launch import Failure, WorkerFailed, _root_cause, failure_of
+from fast.runtime.simulated_membership import SimulatedMembership
 
 
 def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = (), *,
              survivable: bool = False) -> dict[int, Any]:  # fmt: skip
     """Run `fn(*args)` as each of `nprocs` simulated processes; returns each rank's return value, or raises
-    WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out)."""
+    WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out). An
+    elastic run (`run.elastic`) keeps its membership in the simulation (fast.runtime.simulated_membership)."""
     sim = Simulation()
     links = link_table(config, nprocs) if config.network is not None else ideal_links(nprocs)
     wire = start(sim, nprocs, links, config.run.seed)
@@ -41,6 +43,13 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
     try:
         tasks = [sim.spawn(lambda: fn(*args), f"worker {r}" if r < workers else f"server {r - workers + 1}",
                            rank=r, main=True) for r in range(nprocs)]  # fmt: skip
+        if config.run.elastic:
+            membership = SimulatedMembership(
+                sim, wire, config, nprocs, lambda r: sim.spawn(lambda: fn(*args), f"worker {r}", rank=r, main=True)
+            )
+            sim.shared["membership"] = membership
+            if config.faults is not None and config.faults.churn is not None:
+                sim.spawn(membership.churn, "churn")
         deadlock = None
         try:
             sim.run()

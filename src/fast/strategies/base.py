@@ -56,6 +56,9 @@ class Strategy:
     joins: ClassVar[bool] = False
     joins_when: ClassVar[str] = "every step"  # when a change may happen (`change_point`), for the reference
     joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
+    # what a joiner's catch-up carries besides the weights and the optimizer (`fast predict`): model-sized copies
+    # of the strategy's own state (DiLoCo: θ and the outer momentum)
+    catch_up_copies: ClassVar[float] = 0.0
     # True: the strategy checks its gradients for NaN/Inf itself (and sets `gradients_were_bad`), so the job does not
     checks_gradients: ClassVar[bool] = False
     tags: ClassVar[tuple[int, ...]] = ()  # the message tags it sends on (checked against FAST's own: fast.comm.tags)

@@ -35,6 +35,7 @@ class DiLoCoOptions(WarmupOptions):
 class DiLoCo(PeriodicAveraging):
     name = "diloco"
     Options = DiLoCoOptions
+    catch_up_copies = 2.0  # θ and the outer momentum
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)

@@ -57,6 +57,7 @@ def rounds_due(done: int, period: int, fragments: int) -> list[int]:
 class StreamingDiLoCo(PeriodicAveraging):
     name = "streaming-diloco"
     Options = StreamingDiLoCoOptions
+    catch_up_copies = 2.0  # θ and the outer momentum, fragment by fragment
     cost_options = PeriodicAveraging.cost_options | {"fragments", "delay"}
     overlapped = True
     reduces_in_shared_memory = False  # its fragments' all-reduces run in the background, through the backend
@@ -92,10 +93,10 @@ class StreamingDiLoCo(PeriodicAveraging):
         self.thetas = [state.read().clone() for state in self.local]  # the shared weights of each fragment
         self.outer = torch.optim.SGD(self.thetas, lr=o.outer_lr, momentum=o.outer_momentum,
                                      nesterov=o.outer_nesterov and o.outer_momentum > 0)  # fmt: skip
-        self.channel = self.comm.separate_group() if self.compressed is None else None
         self.in_flight: dict[int, tuple[int, Callable[[], torch.Tensor]]] = {}  # fragment -> (lands at, mean Δ)
         self.last_round = [-1] * o.fragments  # the step of each fragment's last round
         self.rounds = 0
+        self.channel = self.comm.separate_group() if self.compressed is None else None
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step

@@ -9,7 +9,9 @@ Nothing is trained. The inputs of the strategy's cost model (fast.pricing) come 
 - the link: from `[network]`, the slowest link between workers (a ring or a gossip round waits for its
   slowest hop); with sites and a hierarchical all-reduce, the LAN inside sites and the WAN between them.
   Without `[network]`, `LOOPBACK`, or `SHARED_MEMORY` for a strategy that sums through it (`sync` on the CPU);
-- the message: the model's parameters as float32, or the size of the codec's frames when a codec is set.
+- the message: the model's parameters as float32, or the size of the codec's frames when a codec is set;
+- an elastic run's catch-up (`run.elastic`): the state a joiner receives from a live peer, over that link, and
+  with `[faults] churn` how many joiners an epoch brings (each catch-up holds up the members it heals with).
 
 Variants cannot be ranked by time to accuracy before training (the epochs each needs are unknown), so
 "first" ranks them by predicted time per epoch. Also printed: the model's computation/communication ratio
@@ -19,6 +21,7 @@ Variants cannot be ranked by time to accuracy before training (the epochs each n
 from __future__ import annotations
 
 import copy
+import io
 import math
 import os
 import statistics
@@ -41,10 +44,20 @@ from fast.jobs.datasets import Dataset, load_dataset, partition
 from fast.perfmodel import Link, StepCost, compute_communication_ratio
 from fast.pricing import LOOPBACK, SHARED_MEMORY, has_cost_model, links_between_workers, message_bytes, price
 from fast.tools.variants import variants
-from fast.units import format_bytes, format_seconds
+from fast.units import format_bytes, format_seconds, parse_duration
 
 WARMUP_STEPS = 2
 TIMED_STEPS = 5
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A joiner's catch-up in an elastic run: the state member 0 sends it, the time that takes on the link, and
+    how often churn brings a joiner in (per second of the run)."""
+
+    nbytes: int
+    seconds: float
+    joins_per_s: float
 
 
 @dataclass(frozen=True)
@@ -62,10 +75,17 @@ class Prediction:
     parameters: int
     cc_ratio: float
     problem: str | None = None
+    catch_up: CatchUp | None = None  # an elastic run's
 
     @property
     def epoch_s(self) -> float | None:
-        return None if self.cost is None else self.cost.time_s * self.steps_per_epoch
+        """An epoch's steps, and the catch-ups churn brings in it (every member waits while one heals)."""
+        if self.cost is None:
+            return None
+        steps_s = self.cost.time_s * self.steps_per_epoch
+        if self.catch_up is None or not self.catch_up.joins_per_s:
+            return steps_s
+        return steps_s / (1 - min(0.99, self.catch_up.joins_per_s * self.catch_up.seconds))
 
     @property
     def bytes_per_step(self) -> float | None:
@@ -171,10 +191,37 @@ def predict(
         return replace(base, problem=f"no cost model for strategy {config.strategy.name!r}")
     if compute_s is None:
         compute_s = measure_compute_s(config, dataset, model)
+    catch_up = price_catch_up(config, model, dataset, link) if run.elastic else None
     try:
-        return replace(base, cost=price(config, nbytes, compute_s))
+        return replace(base, cost=price(config, nbytes, compute_s), catch_up=catch_up)
     except ConfigError as e:
         return replace(base, problem=str(e))
+
+
+def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Link) -> CatchUp:
+    """A joiner's catch-up: the bytes of the state a live peer sends it (the weights and the optimizer's state
+    after a step, as saved, and the strategy's own: `Strategy.catch_up_copies`), over the slowest link; with
+    `[faults] churn`, a joiner every (lifetime + absence) / (workers - 1) seconds once the run is in its stride
+    (each member but worker 0 stays a lifetime, then its place is empty for an absence)."""
+    from fast.jobs.loop import cross_entropy_step
+    from fast.optim import build_optimizer
+    from fast.strategies import strategy_for
+
+    model = copy.deepcopy(model).cpu().train()
+    optimizer = build_optimizer(config.optimizer, model.parameters())
+    x, y = dataset.x_train[: config.run.batch_size], dataset.y_train[: config.run.batch_size]
+    cross_entropy_step(model, x, y).backward()
+    optimizer.step()  # the optimizer's state exists from the first step on
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = buffer.tell() + int(strategy_for(config).catch_up_copies * parameters)
+    churn = config.faults.churn if config.faults is not None else None
+    joins_per_s = 0.0
+    if churn is not None and config.run.workers > 1:
+        cycle_s = parse_duration(churn.lifetime) + parse_duration(churn.absence)
+        joins_per_s = (config.run.workers - 1) / cycle_s
+    return CatchUp(nbytes, link.latency_s + nbytes / link.bandwidth_Bps, joins_per_s)
 
 
 def config_for_prediction(data: dict[str, Any]) -> Config:
@@ -224,25 +271,24 @@ def prediction_table(predictions: list[Prediction]) -> Table:
     order = sorted(priced, key=lambda p: (p.epoch_s, p.name))
     rank = {p.name: i + 1 for i, p in enumerate(order)}
     table = Table(title="FAST predicted (cost model, nothing trained)", header_style="bold")
-    for column in ("variant", "strategy", "workers", "step", "compute", "epoch", "bytes/step", "comm/compute",
-                   "first"):  # fmt: skip
+    elastic = any(p.catch_up is not None for p in predictions)
+    columns = ["variant", "strategy", "workers", "step", "compute", "epoch", "bytes/step", "comm/compute", "first"]
+    if elastic:  # a joiner's catch-up, and how many churn brings in an epoch
+        columns[-1:-1] = ["catch-up", "joins/epoch"]
+    for column in columns:
         table.add_column(column, justify="left" if column in ("variant", "strategy") else "right")
     for p in predictions:
         if p.cost is None:
-            table.add_row(p.name, p.strategy, str(p.workers), "—", "—", "—", "—", "—", "—")
+            table.add_row(p.name, p.strategy, str(p.workers), *["—"] * (len(columns) - 3))
             continue
         ratio = p.cost.comm_s / p.cost.compute_s if p.cost.compute_s > 0 else math.inf
-        table.add_row(
-            p.name,
-            p.strategy,
-            str(p.workers),
-            format_seconds(p.cost.time_s),
-            format_seconds(p.cost.compute_s),
-            format_seconds(p.epoch_s),
-            format_bytes(p.bytes_per_step),
-            f"{ratio:.2f}",
-            str(rank[p.name]),
-        )
+        row = [p.name, p.strategy, str(p.workers), format_seconds(p.cost.time_s), format_seconds(p.cost.compute_s),
+               format_seconds(p.epoch_s), format_bytes(p.bytes_per_step), f"{ratio:.2f}"]  # fmt: skip
+        if elastic:
+            up = p.catch_up
+            row += ["—", "—"] if up is None else [f"{format_bytes(up.nbytes)}, {format_seconds(up.seconds)}",
+                                                  f"{up.joins_per_s * (p.epoch_s or 0):.1f}"]  # fmt: skip
+        table.add_row(*row, str(rank[p.name]))
     return table
 
 

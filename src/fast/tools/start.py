@@ -120,7 +120,8 @@ def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict
     argv, main = list(sys.argv), sys.modules.get("__main__")
     try:
         with variables_set(extra_env or {}):
-            return simulate(fn, config, nprocs, args, survivable=strategy_for(config).survives_failures)
+            survivable = strategy_for(config).survives_failures or config.run.elastic
+            return simulate(fn, config, nprocs, args, survivable=survivable)
     finally:
         sys.argv[:] = argv
         if main is not None:

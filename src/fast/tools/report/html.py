@@ -247,11 +247,43 @@ def _events_section(all_variants: list[Variant]) -> str:
         events = [_inline(failure) for failure in failures]
         if isinstance(skipped, int) and skipped > 0:
             events.append(f"{skipped} skipped step{'s' if skipped != 1 else ''}")
+        events += _membership_events(v.run.summary.get("membership") or [])
         if events:
             items.append(f"<dt>{escape(v.label)}</dt><dd><ul>{''.join(f'<li>{e}</li>' for e in events)}</ul></dd>")
     if not items:
         return ""
-    return f'<section id="events"><h2>Failures and skipped steps</h2><dl>{"".join(items)}</dl></section>'
+    heading = "Failures, skipped steps and membership changes"
+    return f'<section id="events"><h2>{heading}</h2><dl>{"".join(items)}</dl></section>'
+
+
+MEMBERSHIP_EVENTS_SHOWN = 20
+
+
+def _membership_events(changes: list[dict[str, Any]]) -> list[str]:
+    """An elastic run's membership, change by change: who left and joined at which step, and the catch-up."""
+    lines, shown = [], MEMBERSHIP_EVENTS_SHOWN
+    if len(changes) - 1 > shown:
+        lines.append(escape(f"{len(changes) - 1} membership changes; the first {shown} (all in summary.json's "
+                            "`membership`):"))  # fmt: skip
+    for change in changes[1 : shown + 1]:
+        left = ", ".join(f"{e.get('member')} ({e.get('how')})" for e in change.get("left", []))
+        what = [f"left: {left}" if left else "", f"joined: {', '.join(map(str, change.get('joined', [])))}"
+                if change.get("joined") else ""]  # fmt: skip
+        healed = change.get("healed") or []
+        if healed:
+            what.append(
+                f"{len(healed)} healed from {_workers(change.get('healed_from'))}: "
+                f"{change.get('catch_up_bytes', 0) / 1e6:.2f} MB in {change.get('catch_up_s', 0):.2f} s"
+            )
+        lines.append(escape(f"step {change.get('step')}: {len(change.get('members', []))} workers; "
+                            + "; ".join(w for w in what if w)))  # fmt: skip
+    return lines
+
+
+def _workers(ids: Any) -> str:
+    """The sources of a change's catch-ups, as "worker 0" or "workers 0, 3"."""
+    ids = sorted(set(ids)) if isinstance(ids, list) else [ids]
+    return f"worker{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
 
 
 def _runs_section(all_variants: list[Variant]) -> str:

@@ -91,6 +91,8 @@ LINE_PLOTS = [
     LinePlot("Replica divergence vs wall time", series.divergence_curve, "wall time (s)",
              "divergence  ‖wᵢ − w̄‖ / ‖w̄‖", log_scale_when_wide=True),
 ]  # fmt: skip
+MEMBERSHIP_PLOT = LinePlot("Workers in the run vs wall time (live membership)", series.membership_curve,
+                           "wall time (s)", "workers", markers=True, steps=True)  # fmt: skip
 
 
 def _metric_plots(targets: list[Target]) -> list[LinePlot]:
@@ -112,6 +114,8 @@ def report_figures(all_variants: list[Variant], targets: list[float | Target]) -
     """Every figure of the report, in reading order."""
     targets = series.ordered([series.as_target(t) for t in targets])
     plots = LINE_PLOTS[:2] + _metric_plots(targets) + LINE_PLOTS[2:]
+    if any(v.run.summary.get("membership") for v in all_variants):  # an elastic run: who was in, when
+        plots.append(MEMBERSHIP_PLOT)
     figures = [_line_figure(plot, all_variants) for plot in plots]
     figures.append(_staleness_figure(all_variants))
     figures.append(_time_to_target_figure(all_variants, targets))

@@ -93,6 +93,21 @@ def megabytes_sent_curve(run: Run) -> Curve:
     return times, totals
 
 
+def membership_curve(run: Run) -> Curve:
+    """Workers in an elastic run (`run.elastic`) against seconds since its first membership, until its end."""
+    changes = [c for c in run.summary.get("membership") or [] if isinstance(c, dict) and "unix_time" in c]
+    if not changes:
+        return [], []
+    start = changes[0]["unix_time"]
+    times = [c["unix_time"] - start for c in changes]
+    counts = [float(len(c.get("members", []))) for c in changes]
+    end = _number(run.summary.get("wall_time_s"))
+    if end is not None and end > times[-1]:
+        times.append(end)
+        counts.append(counts[-1])
+    return times, counts
+
+
 def divergence_curve(run: Run) -> Curve:
     """Replica divergence (mean relative distance of the replicas to their average) against seconds."""
     records = sorted(_records_with(run, "divergence", "time_s"), key=lambda r: r["time_s"])

@@ -1,0 +1,90 @@
+"""`[faults] churn` and live membership where runs are compared: real processes on emulated links, the simulated
+engine (deterministic by seed), the report's membership timeline and `fast predict`'s price of a catch-up."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fast
+from fast.assemble import load_config
+from fast.jobs.datasets import load_dataset
+from fast.jobs.models import build_model
+from fast.perfmodel import Link
+from fast.tools.predict import price_catch_up
+from fast.tools.report.html import build_report
+
+JOB = {
+    "data__name": "digits",
+    "model__name": "mlp",
+    "run__elastic": True,
+    "run__batch_size": 16,
+    "run__eval_every": 0,
+    "run__log_every": 5,
+    "run__checkpoint_every": 0,
+}
+SIMULATED = {**JOB, "run__engine": "simulated", "run__workers": 8, "run__epochs": 3, "run__step_time": "5ms",
+             "network__bandwidth": "100Mbit", "network__latency": "5ms", "faults__churn__lifetime": "0.3s",
+             "faults__churn__absence": "0.1s"}  # fmt: skip
+
+
+def _healed_records(run: Path) -> list[dict]:
+    return [r for f in sorted((run / "workers").glob("metrics-*.jsonl")) for line in f.read_text().splitlines()
+            if (r := json.loads(line)).get("kind") == "healed"]  # fmt: skip
+
+
+def _changes(summary: dict) -> tuple[int, int]:
+    """(leaves, joins) over the run's membership changes."""
+    changes = summary["membership"][1:]
+    return sum(len(c["left"]) for c in changes), sum(len(c["joined"]) for c in changes)
+
+
+def test_churn_on_emulated_links_heals_joiners_from_a_live_peer(tmp_path, no_orphans):
+    # (a joiner's process takes about 10 s to start on 2 busy cores: 30 s leaves time for leaves and joins)
+    run = tmp_path / "run"
+    summary = fast.train(out=str(run), **{**JOB, "run__workers": 3, "run__epochs": 10000, "run__max_time": "30s",
+                                          "network__bandwidth": "100Mbit", "network__latency": "5ms",
+                                          "faults__churn__lifetime": "3s", "faults__churn__absence": "1s"})  # fmt: skip
+    leaves, joins = _changes(summary)
+    assert leaves >= 1 and joins >= 1, summary["membership"]
+    healed = [r for r in _healed_records(run) if r["generation"] > 0]
+    assert healed and all(r["fingerprint"] == r["source_fingerprint"] for r in healed)
+    assert summary["catch_up_bytes"] > 0
+
+
+STRATEGIES = {"gossip": {"strategy__name": "gossip"}, "diloco": {"strategy__name": "diloco", "strategy__period": 4}}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES.values(), ids=STRATEGIES.keys())
+def test_churn_in_the_simulated_engine_is_deterministic_by_seed(tmp_path, strategy):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    summaries = [fast.train(out=str(run), **{**SIMULATED, **strategy}) for run in runs]
+    leaves, joins = _changes(summaries[0])
+    assert leaves >= 3 and joins >= 3, summaries[0]["membership"]
+    assert all(r["fingerprint"] == r["source_fingerprint"] for r in _healed_records(runs[0]) if r["generation"])
+    assert summaries[0]["membership"] == summaries[1]["membership"]
+    first, second = (torch.load(run / "model.pt", weights_only=True) for run in runs)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert summaries[0]["final_test_accuracy"] == summaries[1]["final_test_accuracy"]
+
+    report = build_report(runs[:1], tmp_path / "report" / "report.html").read_text()
+    assert "Workers in the run vs wall time (live membership)" in report
+    assert "joined: " in report and "healed from worker" in report
+
+
+def test_fast_predict_prices_a_catch_up_as_a_run_sends_it(tmp_path):
+    options = {**SIMULATED, "strategy__name": "diloco", "strategy__period": 4}
+    summary = fast.train(out=str(tmp_path / "run"), **options)
+    sent = [(c["catch_up_bytes"], len(c["healed"])) for c in summary["membership"][1:] if c["joined"]]
+    assert sent
+    measured = sent[0][0] / sent[0][1]
+
+    config = load_config(None, **{k.replace("__", "."): v for k, v in options.items()})
+    dataset = load_dataset("digits", seed=0)
+    model = build_model("mlp", dataset.input_shape, dataset.num_classes)
+    link = Link(latency_s=0.005, bandwidth_Bps=100e6 / 8)
+    price = price_catch_up(config, model, dataset, link)
+    assert price.nbytes == pytest.approx(measured, rel=0.05)
+    assert price.seconds == pytest.approx(0.005 + price.nbytes / link.bandwidth_Bps)
+    assert price.joins_per_s == pytest.approx(7 / 0.4)
