@@ -7,9 +7,9 @@ back (`[faults] churn`).
 Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on emulated links
 (`[network]`, 10 Mbit/s and 50 ms by default; `--real-links`: this machine's own). With churn, each worker but
 worker 0 stays an exponential time of mean a third of the run, and a new one comes back after a mean of a tenth
-of it, healed from a live peer. Per strategy and seed: the final validation perplexity, steps, bytes, and the catch-ups' bytes and
-seconds; then, per strategy, the ratio of its mean perplexity with churn to its mean without. Target: the
-periodic family (local-sgd, diloco) within 5%.
+of it, healed from a live peer. Per strategy and seed: the final validation perplexity, steps, bytes, and the
+catch-ups' bytes and seconds; then, per strategy, the ratio of its mean perplexity with churn to its mean
+without. Target: the periodic family (local-sgd, diloco) within 5%.
 """
 
 from __future__ import annotations
