@@ -91,6 +91,24 @@ def test_a_silent_peer_becomes_a_clear_error_within_the_deadline(no_orphans):
     assert 2.0 <= waited < 2.0 + 3.0
 
 
+def _a_group_one_member_never_makes(comm: Comm) -> None:
+    if comm.rank == 1:
+        time.sleep(600)  # gone, as far as its peers can tell
+    comm.connect_s = 2.0  # a live membership's groups: how long making one waits for its members
+    start = time.perf_counter()
+    try:
+        comm.separate_group()
+    except CommError as e:
+        raise CommError(f"after {time.perf_counter() - start:.2f}s: {e}") from None
+
+
+def test_a_group_a_member_never_comes_to_make_fails_after_the_connect_time(no_orphans):
+    with pytest.raises(WorkerFailed, match=r"worker 0 failed: after .*forming a group of workers \[0, 1\]") as e:
+        run_distributed(_a_group_one_member_never_makes, 2, deadline_s=30.0)
+    waited = float(str(e.value).split("after ")[1].split("s:")[0])
+    assert 2.0 <= waited < 2.0 + 3.0  # the connect time, not the 30 s deadline
+
+
 def _sums(comm: Comm, shared_memory: bool) -> dict:
     summed = sum_buffer(comm, 9, shared_memory)
     before = comm.counter.snapshot()["bytes_sent"]  # making the buffer is set-up, not traffic

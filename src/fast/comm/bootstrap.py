@@ -139,7 +139,11 @@ def start_group(
     timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     with_deadline(None, deadline_s)
-    return make_comm(deadline_s=deadline_s, device=device, counter=counter)
+    # the group itself, not None (whatever group is the default when an operation starts): a collective of an
+    # earlier generation still running in the background (an emulated one's rounds) fails on its aborted group
+    # rather than sending into this one
+    group = dist.distributed_c10d._get_default_group()
+    return make_comm(group=group, deadline_s=deadline_s, device=device, counter=counter)
 
 
 def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:

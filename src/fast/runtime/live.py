@@ -70,6 +70,7 @@ class Live:
         self.generation: Generation | None = None
         self.membership: list[dict[str, Any]] = []  # member 0's record of each change (summary.json)
         self._boundary_at = -1  # the step whose membership round is done
+        self._closed = False  # (worker 0) closed to joiners
         self.data_epoch, self.data_cursor = 0, 0
         if self.joining:
             self.member.ready()
@@ -87,6 +88,7 @@ class Live:
         """Form the group of the newest generation this member is in (retrying while generations change)."""
         after = -1 if self.generation is None else self.generation.number
         while True:
+            self._close_if_out_of_time()
             newest = self.member.newest()
             if newest > after:
                 generation = self.member.generation(newest)
@@ -107,6 +109,14 @@ class Live:
                 return
             except CommError:
                 self.member.suspect(generation.number)
+
+    def _close_if_out_of_time(self) -> None:
+        """Worker 0, its run.max_time spent while the members re-form (churn faster than they can take it): no more
+        joiners nor churn, so that a last generation forms and the run ends at its boundary."""
+        limit, clock = self.config.run.max_time_s, getattr(self, "clock", None)
+        if self.is_main and limit is not None and clock is not None and clock.now() >= limit and not self._closed:
+            self.member.close_to_joiners()
+            self._closed = True
 
     def _form(self, generation: Generation) -> None:
         """Leave the old group and form `generation`'s: the world, the control group, the strategy's groups."""

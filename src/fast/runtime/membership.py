@@ -97,6 +97,11 @@ def _get(store: Any, key: str) -> bytes | None:
     return store.get(PREFIX + key) if store.check([PREFIX + key]) else None
 
 
+def _closed(store: Any) -> bool:
+    """Whether the run takes no more changes but departures (closed to joiners, or ending)."""
+    return _get(store, "closed") is not None or _get(store, "ending") is not None
+
+
 def _proof(secret: bytes, challenge: str, request: int, config_text: str) -> str:
     message = f"{challenge}/{request}/".encode() + hashlib.sha256(config_text.encode()).digest()
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
@@ -158,8 +163,8 @@ class Coordinator:
 
     def evict(self, member: int, how: str) -> None:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
-        the run is ending (its last collectives need every member: a crash then ends the run)."""
-        if _get(self.store, "ending") is None:
+        the run is closed or ending (its last collectives need every member: a crash then ends the run)."""
+        if not _closed(self.store):
             self.store.set(PREFIX + f"evict/{member}", how)
 
     def close(self) -> None:
@@ -186,10 +191,12 @@ class Coordinator:
     def _round(self) -> None:
         if _get(self.store, "ending") is not None:
             return
+        closed = _get(self.store, "closed") is not None  # nobody comes in any more; departures still count
         left = self._departures()
-        self.pending += self._admissions()
+        if not closed:
+            self.pending += self._admissions()
         # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
-        joined = [m for m in self.pending if _get(self.store, f"ready/{m}") is not None]
+        joined = [] if closed else [m for m in self.pending if _get(self.store, f"ready/{m}") is not None]
         gave_up = [m for m in self.pending if _get(self.store, f"leave/{m}") is not None]
         self.pending = [m for m in self.pending if m not in joined and m not in gave_up]
         # a member whose collective failed in the newest generation, with no departure to explain it: form it again
@@ -283,7 +290,7 @@ class Member:
                 evicted = _get(store, f"evict/{self.id}")
             except Exception:  # the run's launcher is gone: the lifeline ends this process
                 return
-            if evicted is not None and _get(store, "ending") is None:  # [faults] churn: a crash, or SIGTERM
+            if evicted is not None and not _closed(store):  # [faults] churn: a crash, or SIGTERM
                 os.kill(os.getpid(), signal.SIGKILL if evicted == b"kill" else signal.SIGTERM)
                 return
             if self._stop.wait(HEARTBEAT_S):
@@ -363,6 +370,11 @@ class Member:
         except Exception:
             pass
         self.close()
+
+    def close_to_joiners(self) -> None:
+        """Worker 0 is out of time while the members re-form: nobody else comes in, churn stops (departures still
+        make new generations), so that the members can form one last time and end."""
+        self.store.set(PREFIX + "closed", "1")
 
     def ending(self) -> None:
         """The run is ending (worker 0 says so): nobody else is admitted."""

@@ -42,6 +42,7 @@ class SimulatedMembership:
         self.arrived: dict[int, set[int]] = defaultdict(set)
         self.settled: dict[int, bool] = {}  # generation -> formed (True) or abandoned (False)
         self.ending = False
+        self.closed = False  # to joiners and churn (worker 0 out of time while the members re-form)
         self._waiting: list[Any] = []
 
     @property
@@ -54,6 +55,10 @@ class SimulatedMembership:
         failed = why_it_ends(members, self.config.run.min_workers)
         number = len(self.generations)
         self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed))
+        self.wake_all()
+
+    def settle(self, number: int, formed: bool) -> None:
+        self.settled[number] = formed
         self.wake_all()
 
     def wake_all(self) -> None:
@@ -92,7 +97,7 @@ class SimulatedMembership:
         returns: list[float] = []  # when a new worker comes in
         while not any(self.settled.values()):  # times count from the start of training
             timing.sleep(CHURN_POLL_S)
-        while not self.ending:
+        while not (self.ending or self.closed):
             now = self.sim.now
             for member in self.newest.members:
                 if member and member not in leaves:
@@ -116,7 +121,8 @@ class SimulatedMember:
         self.membership, self.id, self.joining, self.deadline_s = membership, member, joining, deadline_s
 
     def ready(self) -> None:
-        self.membership.publish(joined=[self.id])
+        if not (self.membership.closed or self.membership.ending):
+            self.membership.publish(joined=[self.id])
 
     def newest(self) -> int:
         return self.membership.newest.number
@@ -143,12 +149,10 @@ class SimulatedMember:
         if number not in membership.settled:
             membership.arrived[number].add(self.id)
             if len(membership.arrived[number]) >= len(generation.members):
-                membership.settled[number] = True
-                membership.wake_all()
+                membership.settle(number, formed=True)
         while number not in membership.settled:
             if self.newest() > number or not membership.park(self.deadline_s):
-                membership.settled[number] = False
-                membership.wake_all()
+                membership.settle(number, formed=False)
         return membership.settled[number]
 
     def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
@@ -166,6 +170,9 @@ class SimulatedMember:
 
     def leave(self, how: str) -> None:
         self.membership.publish(left=[{"member": self.id, "how": how}])
+
+    def close_to_joiners(self) -> None:
+        self.membership.closed = True
 
     def ending(self) -> None:
         self.membership.ending = True
