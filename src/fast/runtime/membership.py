@@ -45,8 +45,6 @@ HEARTBEAT_S = 0.5  # how often a member says it is alive
 SILENT_S = 10.0  # a member silent this long is dropped (a local process's exit is seen at once)
 POLL_S = 0.02
 FORM_S = 10.0  # the longest a member waits for another to form a generation's group
-# a member's process: c10d's warning on each store wait that gave up is how a change of membership is seen, not news
-QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 PREFIX = "fast/membership/"
 # config keys a joiner may hold differently from the run: where its own outputs go and how it runs locally
 PER_PROCESS_KEYS = ("run.threads_per_worker", "run.device", "run.tensorboard", "run.trace", "run.master_port")
@@ -146,7 +144,7 @@ class Coordinator:
 
     def environment(self) -> dict[str, str]:
         """What a founder's process needs to find the membership."""
-        return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}", **QUIET}
+        return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}"}
 
     def started(self) -> bool:
         """Whether a generation's group has formed yet (training has started)."""

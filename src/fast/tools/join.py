@@ -16,7 +16,7 @@ from fast.comm import bootstrap as engine
 from fast.errors import ConfigError
 from fast.jobs.loop import UserCode, train_worker
 from fast.runtime.launch import launch
-from fast.runtime.membership import ADDRESS_FILE, QUIET, SECRET_FILE, report_left, request_admission
+from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, report_left, request_admission
 from fast.runtime.run_folder import new_folder
 from fast.strategies import strategy_class
 
@@ -57,7 +57,7 @@ def join(
         raise ConfigError("fast join: the config is not an elastic run's (run.elastic = false): nothing can join it")
     member = request_admission(address, _secret(Path(token_file)), job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
-    environment = {"FAST_MEMBERSHIP": address, "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1", **QUIET}
+    environment = {"FAST_MEMBERSHIP": address, "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
     user = UserCode(strategy_class=strategy_class(job.strategy.name))
 
     def ended(rank: int, exit_code: int | None) -> None:
