@@ -97,8 +97,9 @@ def _healed(run: Path, member: int) -> list[dict]:
 )
 def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans, strategy):
     run = tmp_path / "run"
-    refusals = strategy["strategy.name"] == "sync"  # (two more `fast join` processes, of several seconds each)
-    proc = _start(run, {"run.workers": 4, "run.max_time": "40s" if refusals else "15s", **strategy})
+    # a joiner's process takes 10 s or more to start on 2 busy cores; the refusals start two more
+    refusals = strategy["strategy.name"] == "sync"
+    proc = _start(run, {"run.workers": 4, "run.max_time": "40s" if refusals else "25s", **strategy})
     try:
         _wait_for_step(run, 100, proc)
         _worker(proc.pid, 2).send_signal(signal.SIGKILL)
@@ -261,7 +262,7 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
     in_a, in_b, master, device, b = two_machines
     run = tmp_path / "run"
     env = {**os.environ, "FAST_PROGRESS": "0"}
-    options = {**JOB, "run.workers": 2, "run.max_time": "15s", "run.master_addr": master}
+    options = {**JOB, "run.workers": 2, "run.max_time": "25s", "run.master_addr": master}  # (a joiner: 10 s to start)
     proc = subprocess.Popen([*in_a, FAST, "train", "--out", str(run), *_sets(options)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
     try:

@@ -77,6 +77,7 @@ class LinePlot:
     markers: bool = False
     steps: bool = False
     log_scale_when_wide: bool = False
+    counts: bool = False  # the y values are whole numbers (workers)
 
 
 LINE_PLOTS = [
@@ -92,7 +93,7 @@ LINE_PLOTS = [
              "divergence  ‖wᵢ − w̄‖ / ‖w̄‖", log_scale_when_wide=True),
 ]  # fmt: skip
 MEMBERSHIP_PLOT = LinePlot("Workers in the run vs wall time (live membership)", series.membership_curve,
-                           "wall time (s)", "workers", markers=True, steps=True)  # fmt: skip
+                           "wall time (s)", "workers", markers=True, steps=True, counts=True)  # fmt: skip
 
 
 def _metric_plots(targets: list[Target]) -> list[LinePlot]:
@@ -146,6 +147,8 @@ def _line_figure(plot: LinePlot, all_variants: list[Variant]) -> ReportFigure:
             axes.yaxis.set_major_formatter(PercentFormatter(xmax=1, decimals=0))
         if plot.log_scale_when_wide and _spans_decades([y for _, _, ys in drawn for y in ys], 2):
             axes.set_yscale("log")
+        if plot.counts:
+            axes.yaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlim(left=0)
         return ReportFigure(plot.title, _encode(figure, axes), _missing_note(curves))
 
