@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,39 +75,42 @@ def test_point_to_point_and_collectives_move_the_right_values_and_count_exact_by
     assert a["counter"]["sent_per_peer"] == {"1": a["counter"]["bytes_sent"]}
 
 
+def _timed(action: Any, error: type[CommError]) -> None:
+    """Run `action`; its `error` says after how many seconds it came."""
+    start = time.perf_counter()
+    try:
+        action()
+    except error as e:
+        raise error(f"after {time.perf_counter() - start:.2f}s: {e}") from None
+
+
+def _waited_s(failure: pytest.ExceptionInfo) -> float:
+    return float(str(failure.value).split("after ")[1].split("s:")[0])
+
+
 def _silent_peer(comm: Comm) -> None:
     if comm.rank == 1:
         time.sleep(600)  # never answers
-    start = time.perf_counter()
-    try:
-        comm.recv(torch.empty(4), 1)
-    except CommTimeout as e:
-        raise CommTimeout(f"after {time.perf_counter() - start:.2f}s: {e}") from None
+    _timed(lambda: comm.recv(torch.empty(4), 1), CommTimeout)
 
 
 def test_a_silent_peer_becomes_a_clear_error_within_the_deadline(no_orphans):
     with pytest.raises(WorkerFailed, match=r"worker 0 failed: after .*recv with worker 1 passed its 2s deadline") as e:
         run_distributed(_silent_peer, 2, deadline_s=2.0)
-    waited = float(str(e.value).split("after ")[1].split("s:")[0])
-    assert 2.0 <= waited < 2.0 + 3.0
+    assert 2.0 <= _waited_s(e) < 2.0 + 3.0
 
 
 def _a_group_one_member_never_makes(comm: Comm) -> None:
     if comm.rank == 1:
         time.sleep(600)  # gone, as far as its peers can tell
     comm.connect_s = 2.0  # a live membership's groups: how long making one waits for its members
-    start = time.perf_counter()
-    try:
-        comm.separate_group()
-    except CommError as e:
-        raise CommError(f"after {time.perf_counter() - start:.2f}s: {e}") from None
+    _timed(comm.separate_group, CommError)
 
 
 def test_a_group_a_member_never_comes_to_make_fails_after_the_connect_time(no_orphans):
     with pytest.raises(WorkerFailed, match=r"worker 0 failed: after .*forming a group of workers \[0, 1\]") as e:
         run_distributed(_a_group_one_member_never_makes, 2, deadline_s=30.0)
-    waited = float(str(e.value).split("after ")[1].split("s:")[0])
-    assert 2.0 <= waited < 2.0 + 3.0  # the connect time, not the 30 s deadline
+    assert 2.0 <= _waited_s(e) < 2.0 + 3.0  # the connect time, not the 30 s deadline
 
 
 def _sums(comm: Comm, shared_memory: bool) -> dict:
