@@ -76,6 +76,21 @@ def _join(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([FAST, "join", *args], capture_output=True, text=True, env=env, timeout=180)
 
 
+def _stop_once_joined(run: Path, joiner: subprocess.Popen, folder: Path, member: int, in_run: tuple = ()) -> str:
+    """Wait until the joiner (its records in `folder`) has trained 10 steps, end the run with `fast stop`, and
+    return the joiner's stderr once it is done. (A run that ends at run.max_time races a joiner's process, which
+    takes 10 s or more to start on 2 busy cores.)"""
+    end = time.monotonic() + 180
+    while _steps(folder, member) < 10:
+        assert joiner.poll() is None, joiner.communicate()
+        assert time.monotonic() < end, "the joiner did not train"
+        time.sleep(0.05)
+    stopped = subprocess.run([*in_run, FAST, "stop", str(run)], capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0 and "ends at its members' next boundary" in stopped.stdout, stopped.stderr
+    _, err = joiner.communicate(timeout=120)
+    return err
+
+
 def _healed(run: Path, member: int) -> list[dict]:
     lines = (run / "workers" / f"metrics-{member}.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == "healed"]
@@ -90,25 +105,23 @@ def _healed(run: Path, member: int) -> list[dict]:
         pytest.param(
             {"strategy.name": "streaming-diloco", "strategy.period": 8, "strategy.fragments": 2}, marks=pytest.mark.slow
         ),  # fmt: skip
-        {"strategy.name": "gossip", "strategy.topology": "ring"},
+        pytest.param({"strategy.name": "gossip", "strategy.topology": "ring"}, marks=pytest.mark.slow),
         pytest.param({"strategy.name": "gossip", "strategy.topology": "torus:2x2"}, marks=pytest.mark.slow),
     ],
     ids=["sync", "local-sgd", "diloco", "streaming-diloco", "gossip-ring", "gossip-torus"],
 )
 def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans, strategy):
     run = tmp_path / "run"
-    # a joiner's process takes 10 s or more to start on 2 busy cores; the refusals start two more
-    refusals = strategy["strategy.name"] == "sync"
-    proc = _start(run, {"run.workers": 4, "run.max_time": "40s" if refusals else "25s", **strategy})
+    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", **strategy})  # ended by fast stop
     try:
         _wait_for_step(run, 100, proc)
         _worker(proc.pid, 2).send_signal(signal.SIGKILL)
         _wait_for_step(run, 200, proc)
         env = {**os.environ, "FAST_PROGRESS": "0"}
         joiner = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
-        if refusals:  # while the joiner starts (a few seconds each)
+        if strategy["strategy.name"] == "sync":  # while the joiner starts (a few seconds each)
             _refusals(run, tmp_path)
-        _, joiner_err = joiner.communicate(timeout=180)
+        joiner_err = _stop_once_joined(run, joiner, run, 4)
         assert joiner.returncode == 0, joiner_err
         out, err = proc.communicate(timeout=120)
     finally:
@@ -146,6 +159,13 @@ def _refusals(run: Path, tmp_path: Path) -> None:
         "fast: error: fast join: refused: it does not hold the run's secret: give `fast join` the run folder, or "
         "--token-file with the run's membership.secret"
     ]
+    stopper = subprocess.run([FAST, "stop", "--address", f"{address['address']}:{address['port']}", "--token-file",
+                              str(forged)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert stopper.returncode == 2
+    assert stopper.stderr.splitlines() == [
+        "fast: error: fast stop: refused: it does not hold the run's secret: give `fast stop` the run folder, or "
+        "--token-file with the run's membership.secret"
+    ]
     other_model = _join(str(run), "--set", "model.name=lenet")
     assert other_model.returncode == 2
     assert other_model.stderr.splitlines() == [
@@ -180,8 +200,7 @@ def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, t
 
 def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(tmp_path, no_orphans):
     run = tmp_path / "run"
-    # 1,500 steps, or 20 s for a joiner to come in on a loaded machine
-    proc = _start(run, {"run.workers": 3, "run.max_steps": 1500, "run.max_time": "20s"})
+    proc = _start(run, {"run.workers": 3, "run.max_time": "300s"})  # ended by fast stop
     env = {**os.environ, "FAST_PROGRESS": "0"}
     joiner = None
     try:
@@ -189,7 +208,7 @@ def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(
         _worker(proc.pid, 1).send_signal(signal.SIGTERM)  # leaves cleanly: says so, the others go on at once
         joiner = subprocess.Popen([FAST, "join", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=env, start_new_session=True)  # fmt: skip
-        _, joined = joiner.communicate(timeout=180)
+        joined = _stop_once_joined(run, joiner, run, 3)
         out, err = proc.communicate(timeout=120)
     finally:
         for started in (proc, joiner):
@@ -224,9 +243,10 @@ def test_what_an_elastic_run_cannot_take_is_refused_in_one_line(options, message
         load_config(None, **{"run.elastic": True, "run.workers": 4, **options})
 
 
-def test_fast_join_without_a_live_run_says_so(tmp_path, capsys):
-    assert main(["join", str(tmp_path)]) == 2
-    assert "no live elastic run there" in capsys.readouterr().err
+@pytest.mark.parametrize("command", ["join", "stop"])
+def test_fast_join_or_stop_without_a_live_run_says_so(tmp_path, capsys, command):
+    assert main([command, str(tmp_path)]) == 2
+    assert f"fast {command} {tmp_path}: no live elastic run there" in capsys.readouterr().err
 
 
 def _ip(*args: str) -> None:
@@ -262,7 +282,7 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
     in_a, in_b, master, device, b = two_machines
     run = tmp_path / "run"
     env = {**os.environ, "FAST_PROGRESS": "0"}
-    options = {**JOB, "run.workers": 2, "run.max_time": "25s", "run.master_addr": master}  # (a joiner: 10 s to start)
+    options = {**JOB, "run.workers": 2, "run.max_time": "300s", "run.master_addr": master}  # ended by fast stop
     proc = subprocess.Popen([*in_a, FAST, "train", "--out", str(run), *_sets(options)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
     try:
@@ -273,18 +293,19 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
         port = json.loads((run / "membership.json").read_text())["port"]
         received = Path(f"/sys/class/net/{device}/statistics/rx_bytes")
         before = int(subprocess.run([*in_b, "cat", str(received)], capture_output=True, text=True).stdout)
-        joiner = subprocess.run([*in_b, FAST, "join", "--address", f"{master}:{port}", "--token-file", str(token),
-                                 "--config", str(run / "config.toml"), "--out", str(tmp_path / "joiner")],
-                                capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
+        joiner = subprocess.Popen([*in_b, FAST, "join", "--address", f"{master}:{port}", "--token-file", str(token),
+                                   "--config", str(run / "config.toml"), "--out", str(tmp_path / "joiner")],
+                                  stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        joiner_err = _stop_once_joined(run, joiner, tmp_path / "joiner", 2, in_run=in_a)
         after = int(subprocess.run([*in_b, "cat", str(received)], capture_output=True, text=True).stdout)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert joiner.returncode == 0 and proc.returncode == 0, (joiner.stderr, err)
+    assert joiner.returncode == 0 and proc.returncode == 0, (joiner_err, err)
     # each side's gloo found the interface that routes to the run, and said so
-    assert f"fast: gloo on {device} (10.77.0.2), the interface that routes to {master}" in joiner.stderr
+    assert f"fast: gloo on {device} (10.77.0.2), the interface that routes to {master}" in joiner_err
     assert f"the interface that routes to {master}" in err
     events = json.loads((run / "summary.json").read_text())["membership"]
     assert events[-1]["joined"] == [2] and events[-1]["members"] == [0, 1, 2]

@@ -88,7 +88,7 @@ class Live:
         """Form the group of the newest generation this member is in (retrying while generations change)."""
         after = -1 if self.generation is None else self.generation.number
         while True:
-            self._close_if_out_of_time()
+            self._close_if_ending()
             newest = self.member.newest()
             if newest > after:
                 generation = self.member.generation(newest)
@@ -110,11 +110,13 @@ class Live:
             except CommError:
                 self.member.suspect(generation.number)
 
-    def _close_if_out_of_time(self) -> None:
-        """Worker 0, its run.max_time spent while the members re-form (churn faster than they can take it): no more
-        joiners nor churn, so that a last generation forms and the run ends at its boundary."""
+    def _close_if_ending(self) -> None:
+        """Worker 0, its run.max_time spent (or `fast stop` asked) while the members re-form (churn faster than they
+        can take it): no more joiners nor churn, so that a last generation forms and the run ends at its boundary."""
+        if not self.is_main or self._closed:
+            return
         limit, clock = self.config.run.max_time_s, getattr(self, "clock", None)
-        if self.is_main and limit is not None and clock is not None and clock.now() >= limit and not self._closed:
+        if (limit is not None and clock is not None and clock.now() >= limit) or self.member.stopping():
             self.member.close_to_joiners()
             self._closed = True
 
@@ -161,10 +163,11 @@ class Live:
             return
         while True:
             limit = self.config.run.max_time_s
-            newer = int(self.member.newest() > self.generation.number) if self.world.index() == 0 else 0
-            out_of_time = int(limit is not None and self.trained_s >= limit)
+            first = self.world.index() == 0
+            newer = int(first and self.member.newest() > self.generation.number)
+            ending = int((limit is not None and self.trained_s >= limit) or (first and self.member.stopping()))
             try:
-                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, out_of_time], set())
+                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending], set())
             except CommError:
                 self._regroup(failed=True)
                 continue

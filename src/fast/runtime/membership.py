@@ -8,10 +8,10 @@ a member dies (its process exits, or its heartbeats stop), leaves (SIGTERM: it s
 suspected by a peer whose collective with it failed, or when a joiner is admitted. The members switch at the
 points their strategy can take a change (fast.runtime.live), all at the same step.
 
-Who may join (the one place this rule lives): a joiner proves it holds the run's secret (`membership.secret`,
-written 0600 in the run folder; a remote joiner is given it as a file) by an HMAC of its request, never the
-secret itself, and its config must equal the run's but for the keys each process may set for itself
-(`PER_PROCESS_KEYS`). The store itself trusts whoever reaches its port, as torchrun's does: keep
+Who may join or stop the run (the one place this rule lives): a joiner, or `fast stop`, proves it holds the run's
+secret (`membership.secret`, written 0600 in the run folder; a remote joiner is given it as a file) by an HMAC of
+its request, never the secret itself; a joiner's config must also equal the run's but for the keys each process
+may set for itself (`PER_PROCESS_KEYS`). The store itself trusts whoever reaches its port, as torchrun's does: keep
 `run.master_addr` on loopback or a private network.
 """
 
@@ -87,8 +87,12 @@ def why_it_ends(members: list[int], min_workers: int) -> str | None:
 
 
 def _store(host: str, port: int, *, hosting: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s), use_libuv=True)  # fmt: skip
+    """A connection to the run's store whose waits give up after `timeout_s`; connecting gives up sooner (a store
+    that is gone refuses at once, and c10d would retry for the whole timeout)."""
+    store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False,
+                          timeout=timedelta(seconds=min(timeout_s, FORM_S)), use_libuv=True)  # fmt: skip
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def _get(store: Any, key: str) -> bytes | None:
@@ -100,7 +104,7 @@ def _closed(store: Any) -> bool:
     return _get(store, "closed") is not None or _get(store, "ending") is not None
 
 
-def _proof(secret: bytes, challenge: str, request: int, config_text: str) -> str:
+def _proof(secret: bytes, challenge: str, request: int | str, config_text: str) -> str:
     message = f"{challenge}/{request}/".encode() + hashlib.sha256(config_text.encode()).digest()
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
@@ -133,7 +137,7 @@ class Coordinator:
         self.next_id = founders
         self.generation = Generation(0, list(self.members), unix_time=time.time())
         self._exited: dict[int, str] = {}
-        self._seen_requests = 0
+        self._seen_requests = self._seen_stops = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._started = False
@@ -187,6 +191,7 @@ class Coordinator:
                 raise
 
     def _round(self) -> None:
+        self._stops()
         if _get(self.store, "ending") is not None:
             return
         closed = _get(self.store, "closed") is not None  # nobody comes in any more; departures still count
@@ -245,6 +250,24 @@ class Coordinator:
                 answer = {"refused": reason}
             self.store.set(PREFIX + f"answer/{number}", json.dumps(answer))
         return admitted
+
+    def _stops(self) -> None:
+        """Answer each `fast stop` request: the members end at their next boundary, or why not."""
+        requests = int(self.store.add(PREFIX + "stops", 0))
+        while self._seen_stops < requests:
+            number = self._seen_stops + 1
+            written = _get(self.store, f"stop/{number}")
+            if written is None:
+                break
+            self._seen_stops = number
+            expected = _proof(self.secret, self.challenge, f"stop-{number}", "")
+            if hmac.compare_digest(expected, written.decode(errors="replace")):
+                self.store.set(PREFIX + "stopping", "1")
+                answer = "stopping"
+            else:
+                answer = (f"refused: it does not hold the run's secret: give `fast stop` the run folder, or "
+                          f"--token-file with the run's {SECRET_FILE}")  # fmt: skip
+            self.store.set(PREFIX + f"stop-answer/{number}", answer)
 
     def _refusal(self, number: int, request: dict[str, Any], size: int) -> str | None:
         from fast.assemble import load_config
@@ -362,6 +385,10 @@ class Member:
         newer generation (a departure it saw) has already replaced it."""
         self.store.add(PREFIX + f"suspicions/{generation}", 1)
 
+    def stopping(self) -> bool:
+        """Whether `fast stop` asked the run to end (the members end together at their next boundary)."""
+        return bool(self.store.check([PREFIX + "stopping"]))
+
     def leave(self, how: str) -> None:
         try:
             self.store.set(PREFIX + f"leave/{self.id}", how)
@@ -391,26 +418,46 @@ def report_left(address: str, member: int, how: str) -> None:
         pass
 
 
-def request_admission(address: str, secret: bytes, config: Config, timeout_s: float) -> int:
-    """A joiner's request: its member id, or Refused naming why."""
+def _reach(command: str, address: str, timeout_s: float) -> Any:
+    """A connection to a live run's store, for a request of `command` (fast join, fast stop)."""
     host, port = address.rsplit(":", 1)
     try:
         store = _store(host, int(port), timeout_s=timeout_s)
     except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"fast join: no run answers at {address} ({str(e).splitlines()[0]}): check the address "
+        raise ConfigError(f"{command}: no run answers at {address} ({str(e).splitlines()[0]}): check the address "
                           "and that the run is still going") from None  # fmt: skip
     if _get(store, "ended") is not None or _get(store, "ending") is not None:
-        raise RunEnded(f"the run at {address} has ended: there is nothing to join")
+        raise RunEnded(f"the run at {address} has ended: there is nothing to {command.split()[-1]}")
+    return store
+
+
+def _answer(store: Any, key: str, what: str, timeout_s: float) -> bytes:
+    start = time.monotonic()
+    while (answer := _get(store, key)) is None:
+        if time.monotonic() - start > timeout_s:
+            raise RunEnded(f"the run did not answer the {what} within {timeout_s:g}s")
+        time.sleep(POLL_S)
+    return answer
+
+
+def request_admission(address: str, secret: bytes, config: Config, timeout_s: float) -> int:
+    """A joiner's request: its member id, or Refused naming why."""
+    store = _reach("fast join", address, timeout_s)
     text = json.dumps(config.to_dict())
     number = int(store.add(PREFIX + "requests", 1))
     proof = _proof(secret, store.get(PREFIX + "challenge").decode(), number, text)
     store.set(PREFIX + f"request/{number}", json.dumps({"config": text, "proof": proof}))
-    start = time.monotonic()
-    while (answer := _get(store, f"answer/{number}")) is None:
-        if time.monotonic() - start > timeout_s:
-            raise RunEnded(f"the run at {address} did not answer the join request within {timeout_s:g}s")
-        time.sleep(POLL_S)
-    decided = json.loads(answer)
+    decided = json.loads(_answer(store, f"answer/{number}", "join request", timeout_s))
     if "refused" in decided:
         raise Refused(f"fast join: refused: {decided['refused']}")
     return int(decided["member"])
+
+
+def request_stop(address: str, secret: bytes, timeout_s: float = 30.0) -> None:
+    """`fast stop`: ask a live run to end, its members together at their next boundary; Refused naming why not."""
+    store = _reach("fast stop", address, timeout_s)
+    number = int(store.add(PREFIX + "stops", 1))
+    store.set(PREFIX + f"stop/{number}", _proof(secret, store.get(PREFIX + "challenge").decode(), f"stop-{number}", ""))
+    answer = _answer(store, f"stop-answer/{number}", "stop request", timeout_s).decode()
+    if answer != "stopping":
+        raise Refused(f"fast stop: {answer}")

@@ -168,6 +168,9 @@ class SimulatedMember:
             gone = [{"member": m, "how": "gone"} for m in membership.newest.members if m in membership.wire.gone]
             membership.publish(left=gone)
 
+    def stopping(self) -> bool:
+        return False  # a simulated run is one process: nothing outside it asks it to stop
+
     def leave(self, how: str) -> None:
         self.membership.publish(left=[{"member": self.id, "how": how}])
 

@@ -56,6 +56,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    from fast.tools.stop import stop
+
+    address = stop(args.run_dir, address=args.address, token_file=args.token_file)
+    print(f"fast: the run at {address} ends at its members' next boundary")
+    return 0
+
+
 def cmd_topology(args: argparse.Namespace) -> int:
     from fast.topology import format_topology
 
@@ -150,6 +158,11 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--out", help="where this worker writes its metrics (default: the run folder)")
     j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     j.set_defaults(func=cmd_join)
+    st = sub.add_parser("stop", help="end a live elastic run cleanly: fast stop RUN_DIR, or --address --token-file")
+    st.add_argument("run_dir", nargs="?", help="the folder of a run of this machine")
+    st.add_argument("--address", metavar="HOST:PORT", help="the run's membership address (its membership.json)")
+    st.add_argument("--token-file", metavar="F", help="the run's secret (its membership.secret)")
+    st.set_defaults(func=cmd_stop)
     top = sub.add_parser("topology", help="print a topology's neighbours, mixing weights and spectral gap")
     top.add_argument("spec", help='e.g. "torus:4x4", "ring", "exponential", "random-regular:3"')
     top.add_argument("--workers", "-n", type=int, help="number of workers (implied by torus:RxC)")

@@ -21,12 +21,22 @@ from fast.runtime.run_folder import new_folder
 from fast.strategies import strategy_class
 
 
-def _secret(path: Path) -> bytes:
+def read_secret(command: str, path: Path) -> bytes:
     try:
         return bytes.fromhex(path.read_text().strip())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"fast join: cannot read the run's secret from {path} ({e}): give the run's "
+        raise ConfigError(f"{command}: cannot read the run's secret from {path} ({e}): give the run's "
                           f"{SECRET_FILE}") from None  # fmt: skip
+
+
+def live_run(command: str, folder: Path) -> tuple[str, Path]:
+    """The membership address and the secret's file of the live elastic run in `folder` (of this machine)."""
+    where = folder / ADDRESS_FILE
+    if not where.is_file():
+        raise ConfigError(f"{command} {folder}: no live elastic run there (no {ADDRESS_FILE}): start one with "
+                          "run.elastic = true, or give --address and --token-file")  # fmt: skip
+    found = json.loads(where.read_text())
+    return f"{found['address']}:{found['port']}", folder / SECRET_FILE
 
 
 def join(
@@ -41,13 +51,8 @@ def join(
     """Join a running job and train with it to its end; returns this worker's member id."""
     if run_dir is not None:
         folder = Path(run_dir)
-        where = folder / ADDRESS_FILE
-        if not where.is_file():
-            raise ConfigError(f"fast join {folder}: no live elastic run there (no {ADDRESS_FILE}): start one with "
-                              "run.elastic = true, or give --address and --token-file")  # fmt: skip
-        found = json.loads(where.read_text())
-        address = address or f"{found['address']}:{found['port']}"
-        token_file = token_file or folder / SECRET_FILE
+        found, secret_file = live_run("fast join", folder)
+        address, token_file = address or found, token_file or secret_file
         config = config or folder / "config.toml"
         out = out or folder
     if address is None or token_file is None or config is None:
@@ -55,7 +60,7 @@ def join(
     job = load_config(config, **overrides)
     if not job.run.elastic:
         raise ConfigError("fast join: the config is not an elastic run's (run.elastic = false): nothing can join it")
-    member = request_admission(address, _secret(Path(token_file)), job, job.run.deadline_s)
+    member = request_admission(address, read_secret("fast join", Path(token_file)), job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
     environment = {"FAST_MEMBERSHIP": address, "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
     user = UserCode(strategy_class=strategy_class(job.strategy.name))
