@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from fast.assemble import load_config
 from fast.comm import Comm
+from fast.exchange.allreduce import NONFINITE
 from fast.jobs.models import build_model
 from fast.strategies import StrategyContext, build_strategy
 from fast.strategies.sync import Bucket
@@ -85,13 +86,16 @@ def test_sync_with_n_workers_equals_one_worker_with_n_times_the_batch(workers):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_bucket_with_one_non_finite_gradient_sends_zeros_counted_0(bad):
+def test_a_bucket_with_one_non_finite_gradient_sends_zeros_and_every_worker_learns_it(bad):
     params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
     bucket = Bucket(params, torch.zeros(17))
     params[0].grad, params[1].grad = torch.ones(3, 4), torch.ones(5)
     params[1].grad[2] = bad
     assert not bucket.fill()
-    assert torch.equal(bucket.buffer, torch.zeros(18))
+    assert torch.equal(bucket.grads, torch.zeros(17)) and float(bucket.count) == NONFINITE
+    bucket.buffer[-1] += 3.0  # as if three workers with finite gradients had summed into it
+    assert not bucket.average()  # every worker's average is NaN: each skips the step (a GradScaler backs off)
+    assert bool(bucket.grads.isnan().all())
 
 
 def test_a_bucket_with_huge_finite_gradients_contributes_them():

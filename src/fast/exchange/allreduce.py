@@ -13,8 +13,9 @@ low-rank factors are per tensor; sparsifiers instead select over the whole flat 
 which lets the tensors with the largest values take more of the budget.
 
 Error feedback (an ErrorFeedback codec) keeps at each worker what its codec did not send of each tensor key.
-A worker may sit a sum out (its `count` is 0, e.g. its gradients were not finite): it sends zeros, or an
-empty payload, and its codec state stays as it was; the sum says how many workers contributed.
+A worker may sit a sum out: its `count` is 0 (no data), or NONFINITE (its gradients were not finite). It sends
+zeros, or an empty payload (one byte for NONFINITE), and its codec state stays as it was; the sum's count says
+how many workers contributed, plus NONFINITE for each that was not finite, so that every worker knows.
 
 Bytes: `comm` counts what really crosses it: frames, their length prefixes, the padding of a gather. Each
 exchange also declares the same messages in dense fp32 (`ByteCounter.dense_equivalent`), which makes
@@ -34,6 +35,8 @@ from fast.codecs import Codec, ErrorFeedback, build_codec
 from fast.codecs.parts import decode_parts, encode_parts, frame_shapes, packed_shapes
 from fast.codecs.powersgd import PowerSGD, matrix_shape
 from fast.comm.comm import Comm
+
+NONFINITE = 4096.0  # the count of a worker whose values were not finite: more than any run's workers, exact in fp32
 
 FP32_BYTES = 4
 
@@ -109,16 +112,16 @@ class CompressedAllReduce:
 
         `key` names the tensor for the codec's state (use the same key for the same tensor every time).
         `shapes` splits a flat `tensor` into the tensors it packs (see the module docstring). `count` is a
-        one-element tensor, 1 if this worker contributes and 0 if it sits out; it is replaced by the number
-        of workers that contributed.
+        one-element tensor, 1 if this worker contributes, 0 if it sits out and NONFINITE if its values were not
+        finite; it is replaced by the number of workers that contributed plus NONFINITE for each that was not.
         """
-        contributes = count is None or float(count.reshape(-1)[0]) > 0
+        flag = 1.0 if count is None else float(count.reshape(-1)[0])
         if self.codec.summable:
-            return self._sum_cast(tensor, key, count, contributes)
+            return self._sum_cast(tensor, key, count, flag)
         exchange = self._sum_low_rank if self.inner.low_rank else self._sum_gathered
 
         def job() -> int:
-            return exchange(tensor, key, shapes, count, contributes)
+            return exchange(tensor, key, shapes, count, flag)
 
         if self._executor is None:
             contributors = job()
@@ -151,18 +154,19 @@ class CompressedAllReduce:
         self.codec.load_state_dict(state["codec"])
 
     # -- the three ways a sum travels -----------------------------------------------------------------------
-    def _sum_cast(self, tensor: torch.Tensor, key: str, count: torch.Tensor | None, contributes: bool) -> PendingSum:
-        """Summable codecs: one native asynchronous all-reduce in the wire dtype, the count as its last value."""
+    def _sum_cast(self, tensor: torch.Tensor, key: str, count: torch.Tensor | None, flag: float) -> PendingSum:
+        """Summable codecs: one native asynchronous all-reduce in the wire dtype, the count as its last value (in
+        fp16 or bf16 a sum with NONFINITE in it rounds, but never below NONFINITE)."""
         flat = tensor.reshape(-1)
         raw = self.codec.sends_raw(tuple(flat.shape))
         wire_dtype = flat.dtype if raw else self.inner.wire_dtype(flat.dtype)
         wire = torch.zeros(flat.numel() + 1, dtype=wire_dtype, device=flat.device)
-        if contributes:
+        if flag == 1.0:
             values = self.memory.compensate(key, flat) if self.memory is not None else flat
             wire[:-1].copy_(values)
             if self.memory is not None:
                 self.memory.update(key, values, wire[:-1].to(values.dtype))
-            wire[-1] = 1
+        wire[-1] = flag
         with self.comm.counter.dense_equivalent(dense_all_reduce_bytes(self.comm, wire.numel())):
             handle = self.comm.all_reduce(wire, async_op=True)
 
@@ -179,20 +183,22 @@ class CompressedAllReduce:
         key: str,
         shapes: Sequence[Sequence[int]] | None,
         count: torch.Tensor | None,
-        contributes: bool,
+        flag: float,
     ) -> int:
-        """Other codecs: all-gather every worker's frames (none from one that sits out), decode, add in order."""
+        """Other codecs: all-gather every worker's frames (none from one that sits out, a byte from one that was
+        not finite), decode, add in order."""
         flat = tensor.reshape(-1)
         shapes = frame_shapes(self.codec, tensor, shapes)
-        payload, mine = torch.empty(0, dtype=torch.uint8), None
-        if contributes:
+        payload, mine = torch.zeros(int(flag == NONFINITE), dtype=torch.uint8), None
+        if flag == 1.0:
             payload, mine = encode_parts(self.codec, flat, key, shapes)
         with self.comm.counter.dense_equivalent(dense_all_gather_bytes(self.comm, flat.numel() + 1)):
             payloads = self.comm.all_gather_bytes(payload.to(self.comm.device))
         total = torch.zeros_like(flat)
         contributors = 0
         for index, theirs in enumerate(payloads):
-            if theirs.numel() == 0:
+            if theirs.numel() <= 1:  # sat out; one byte: was not finite (a frame is longer)
+                contributors += int(NONFINITE) * theirs.numel()
                 continue
             if index == self.comm.index():
                 total += mine
@@ -208,9 +214,10 @@ class CompressedAllReduce:
         key: str,
         shapes: Sequence[Sequence[int]] | None,
         count: torch.Tensor | None,
-        contributes: bool,
+        flag: float,
     ) -> int:
         """PowerSGD (Vogels et al. 2019, Algorithm 1): all-reduce P (with the raw tensors), then Q."""
+        contributes = flag == 1.0
         powersgd: PowerSGD = self.inner  # type: ignore[assignment]
         flat = tensor.reshape(-1)
         shapes, sizes = packed_shapes(tensor, shapes)
@@ -225,8 +232,8 @@ class CompressedAllReduce:
         keys = {i: f"{key}.{i}" for i in low_rank}
         p_local = {i: powersgd.compute_p(keys[i], matrices[i]) for i in low_rank}
         p_numel = sum(p.numel() for p in p_local.values())
-        flag = torch.full((1,), float(contributes), device=flat.device)
-        first = torch.cat([p_local[i].reshape(-1) for i in low_rank] + [parts[i].float() for i in raw] + [flag])
+        counted = torch.full((1,), flag, device=flat.device)
+        first = torch.cat([p_local[i].reshape(-1) for i in low_rank] + [parts[i].float() for i in raw] + [counted])
         second = torch.zeros(0, device=flat.device)
         with self.comm.counter.dense_equivalent(dense_all_reduce_bytes(self.comm, flat.numel() + 1)):
             self.comm.all_reduce(first)

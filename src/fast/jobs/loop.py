@@ -234,6 +234,7 @@ def _call(step: StepFn, model: nn.Module, batch: Any) -> torch.Tensor:
 def train_worker(config: Config, run_dir: Path, user: UserCode, resume: bool = False) -> dict[str, Any] | None:
     """One process of `fast train`: the whole training loop on the job API (servers serve inside init)."""
     job = init(config, out=run_dir, resume=run_dir if resume else None)
+    job.loop_is_fast = True
     train, test = datasets(config)
     # everything but the model first: training time counts from job.prepare's common start
     loader = job.loader(train, config.run.batch_size)

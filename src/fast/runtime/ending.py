@@ -89,8 +89,8 @@ def write_outputs(
         ("metrics.jsonl", lambda: files.write_text(run_dir / "metrics.jsonl",
                                                    "".join(json.dumps(r) + "\n" for r in records))),
     ]  # fmt: skip
-    if model is not None:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if model is not None:  # a compiled model's own module: its keys load into the user's class
+        state = {k: v.detach().cpu() for k, v in getattr(model, "_orig_mod", model).state_dict().items()}
         outputs.append(("model.pt", lambda: checkpoint.save_atomic(state, run_dir / "model.pt")))
     if summary.get("config", {}).get("run", {}).get("trace"):
         traces = sorted((run_dir / "workers").glob("trace-*.json"))
@@ -215,6 +215,7 @@ class Ending:
             "strategy": {**self._reduced_through(), **self.strategy.summary(), **compensation},
             "steps": 0 if self.is_server else self.step,
             "skipped_steps": self.skipped_steps,
+            "steps_skipped_by_the_loop": self.driver.loop_skipped,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
             "compute_s": self.machine.compute_s,
             "compute_spread": self.machine.compute_spread,
@@ -401,6 +402,8 @@ class Ending:
             "max_staleness": max(staleness) if staleness else None,
             "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
             "skipped_steps": sum(p["skipped_steps"] for p in everyone),
+            # steps the user's loop did not take (a GradScaler's overflow), on worker 0
+            "steps_skipped_by_the_loop": everyone[0].get("steps_skipped_by_the_loop", 0),
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
             "replica_divergence": final.get("divergence"),
             "worker_test_accuracy": (

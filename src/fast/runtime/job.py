@@ -51,6 +51,7 @@ from fast.runtime.control import Control
 from fast.runtime.ending import Ending
 from fast.runtime.evaluation import Evaluating
 from fast.runtime.launch import name_process
+from fast.runtime.lifeline import LAUNCHER_VARIABLE
 from fast.runtime.live import Live
 from fast.runtime.loader import ShardedLoader
 from fast.runtime.records import Records
@@ -119,8 +120,14 @@ def init(
         config = Path(resume_dir) / "config.toml"
         if not config.is_file():
             raise ConfigError(f"resume {resume_dir}: no config.toml there; give the folder of an earlier run")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise UsageError("fast.init: the default process group is already initialised (the script's "
+                         "init_process_group): remove that call and its destroy_process_group; fast.init forms the "
+                         "group itself, and job.finish() ends it")  # fmt: skip
     config = resolve_config(config, **overrides)
     alone = place() is None and not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
+    if not alone and place() is None and LAUNCHER_VARIABLE not in os.environ:
+        config = _torchrun_world(config)
     if alone:
         config = _alone(config)
     run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or default_run_dir(config))
@@ -131,6 +138,21 @@ def init(
     if job.is_server:
         job._serve()  # never returns
     return job
+
+
+def _torchrun_world(config: Config) -> Config:
+    """Started by torchrun: the world is torchrun's (run.workers follows it), unless the config sets another."""
+    started, needed = int(os.environ["WORLD_SIZE"]), world_size(config)
+    if started == needed:
+        return config
+    servers = needed - config.run.workers
+    if "workers" in config.run.model_fields_set or started <= servers:
+        raise ConfigError(
+            f"torchrun started {started} processes but the config's run.workers = {config.run.workers} needs "
+            f"{needed}{f' (with {servers} servers)' if servers else ''}: leave run.workers out to take torchrun's "
+            f"world, or start {needed} (--nproc-per-node/--nnodes)"
+        )
+    return load_config(config, run__workers=started - servers)
 
 
 def _alone(config: Config) -> Config:
@@ -276,6 +298,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.loaders: list[ShardedLoader] = []
         self.loader_position: tuple[int, int] | None = None
         self.skipped_steps, self.bad_in_a_row = 0, 0
+        self.loop_is_fast = False  # FAST's own loop (fast train), not the user's
         self._stopping = False
         self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
         self._checked_at = -1  # the step of the last check
@@ -328,6 +351,10 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         if not isinstance(optimizer, torch.optim.Optimizer):
             kind = type(optimizer).__name__
             raise UsageError(f"job.prepare: the optimizer must be a torch.optim.Optimizer, got {kind}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise UsageError("job.prepare: the model is wrapped in DistributedDataParallel, which would average its "
+                             "gradients a second time: give prepare the module itself (drop DDP(...), or pass "
+                             "model.module)")  # fmt: skip
         model.to(self.device)
         self.model, self.optimizer = model, optimizer
         if self.world_size > self.workers and self.is_main:
@@ -358,7 +385,8 @@ class Job(Evaluating, Checkpointing, Ending, Live):
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate gradients (gradient accumulation); the strategy communicates at
-        the first backward outside."""
+        the first backward outside. The prepared model's `no_sync()` and `require_backward_grad_sync = False`
+        (DDP's) do the same."""
         return self.driver.no_sync()
 
     def _autocast_factory(self) -> Callable[[], Any] | None:
@@ -503,10 +531,11 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.bad_in_a_row += 1
         limit = self.config.run.max_bad_steps
         if self.bad_in_a_row >= limit:
-            raise FastError(
-                f"worker {self.rank}: NaN or Inf in the loss or gradients for {limit} steps in a row "
-                f"(run.max_bad_steps); lower optimizer.lr or check the data and the step function"
-            )
+            fix = ("lower optimizer.lr or check the data and the step function" if self.loop_is_fast else
+                   "lower your optimizer's learning rate or check the data and the loss (a GradScaler would skip "
+                   "such steps and back off)")  # fmt: skip
+            raise FastError(f"worker {self.rank}: NaN or Inf in the loss or gradients for {limit} steps in a row "
+                            f"(run.max_bad_steps): {fix}")  # fmt: skip
 
     # -- metrics -----------------------------------------------------------------------------------------------------
     def log(self, loss: Any = None, **values: Any) -> None:

@@ -3,20 +3,22 @@
     forward (the first of a step)     machine.before_step, strategy.before_step   (e.g. gossip posts its exchange),
                                       machine.compute (the simulated engine's compute)
     end of loss.backward()            gradients checked, strategy.after_backward  (e.g. sync waits for its buckets)
-    optimizer.step() begins           a step whose gradients were not finite is skipped; gradients clipped
+    optimizer.step() begins           a step whose gradients were not finite is skipped (under `sync`, on every
+                                      worker when one worker's were not); gradients clipped
     optimizer.step() ends             strategy.after_optimizer_step, then the job's bookkeeping
 
 So the user keeps their loop (forward, backward, optimizer.step, zero_grad) and the objects they passed in: the
 model and optimizer are the user's own, with hooks added. The hooks are plain functions, so a copy of the model
 (`copy.deepcopy`, as strategies take to evaluate an average) carries them without the job; they ignore it.
-Inside `no_sync()` (gradient accumulation) a backward only accumulates: the strategy runs at the last one.
+Inside `no_sync()` (gradient accumulation), or after a forward while the model's `require_backward_grad_sync` is
+False (DDP's flag, read at each forward as DDP does), a backward only accumulates: the strategy runs at the last one.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -50,8 +52,9 @@ class StepDriver:
         self.step = 0  # the step under way (steps done so far)
         self.began = self.backward_done = self.callback_queued = False
         self.bad = False
+        self.loop_skipped = 0  # steps the user's loop skipped (a GradScaler's), counted apart from bad steps
         self.computing = False  # a compute span is open (fast.comm.timeline)
-        self.accumulating = False
+        self.accumulating = self.in_no_sync = False
         self.evaluating = False
         self._casting: Any = None
         self.on_begin: Callable[[], None] | None = None
@@ -94,6 +97,12 @@ class StepDriver:
             if driver is not None:
                 driver._optimizer_ends()
 
+        def no_sync() -> Any:
+            driver = me()
+            return driver.no_sync() if driver is not None else nullcontext()
+
+        if not hasattr(model, "no_sync"):  # DDP's spelling of gradient accumulation, for a script that uses it
+            model.no_sync = no_sync
         self.handles = [
             model.register_forward_pre_hook(before_forward),
             model.register_forward_hook(after_forward),
@@ -113,6 +122,9 @@ class StepDriver:
             return
         if not self.began:
             self.begin()
+        elif self.backward_done and not self.accumulating:
+            self._retake()
+        self._accumulate(self.in_no_sync or not getattr(module, "require_backward_grad_sync", True))
         if self.autocast is not None:
             self._casting = self.autocast()
             self._casting.__enter__()
@@ -126,6 +138,15 @@ class StepDriver:
         if computes:  # a simulated machine's compute, while what the strategy posted travels
             self.machine.compute()
         self.began = True
+        timeline.open_span("forward+backward", "compute")
+        self.computing = True
+
+    def _retake(self) -> None:
+        """A forward after the step's backward, and no optimizer.step between: the loop skipped the step (a
+        GradScaler that found an overflow skips it on every worker). The next backward makes the step anew."""
+        self.backward_done = self.bad = False
+        self.strategy.gradients_were_bad = self.strategy.skips_step = False
+        self.loop_skipped += 1
         timeline.open_span("forward+backward", "compute")
         self.computing = True
 
@@ -167,7 +188,7 @@ class StepDriver:
             self.begin()
         if not self.backward_done:
             self.gradients_done()
-        if self.bad and not self.strategy.averages_gradients:
+        if (self.bad and not self.strategy.averages_gradients) or self.strategy.skips_step:
             for p in self.params:  # skip the step: the optimizer leaves parameters without a gradient alone
                 p.grad = None
         elif self.clip_norm is not None:
@@ -222,11 +243,16 @@ class StepDriver:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate gradients; the strategy runs at the first one outside."""
-        self.accumulating = self.strategy.accumulating = True
+        self.in_no_sync = True
+        self._accumulate(True)
         try:
             yield
         finally:
-            self.accumulating = self.strategy.accumulating = False
+            self.in_no_sync = False
+            self._accumulate(False)
+
+    def _accumulate(self, accumulating: bool) -> None:
+        self.accumulating = self.strategy.accumulating = accumulating
 
     @contextmanager
     def evaluation(self) -> Iterator[None]:

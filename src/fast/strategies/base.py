@@ -115,6 +115,7 @@ class Strategy:
         self.accumulating = False  # inside job.no_sync(): a backward only accumulates gradients
         self.contributing = True  # False in a step without data (a worker that finished early): send nothing of it
         self.gradients_were_bad = False  # set by strategies that `checks_gradients`, per step
+        self.skips_step = False  # every worker skips this step: one of them had gradients that were not finite
         self.compensation: MomentumCompensation | None = None
 
     def make_codec(self) -> Codec | None:

@@ -30,7 +30,7 @@ from fast.comm import Comm, Handle
 from fast.comm.shared_memory import SumBuffer, sum_buffer
 from fast.config import Config
 from fast.errors import ConfigError
-from fast.exchange.allreduce import CompressedAllReduce, PendingSum
+from fast.exchange.allreduce import NONFINITE, CompressedAllReduce, PendingSum
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import COLLECTIVE_OPTIONS, collective, with_barrier
 from fast.strategies.base import Strategy, StrategyOptions
@@ -49,10 +49,13 @@ class SyncOptions(StrategyOptions):
 class Bucket:
     """A run of parameters whose gradients travel together in one flat buffer.
 
-    The buffer's last element counts the workers that contributed: a worker whose gradients in this bucket
-    are not finite sends zeros and a count of 0, so a NaN or Inf never reaches another replica and the
-    average is taken over the workers that had good gradients. The averages stay in the buffer: each
-    parameter's `.grad` becomes a view into it (DDP's gradient_as_bucket_view), so nothing is copied back.
+    The buffer's last element counts the workers that contributed: 1 from each, 0 from a worker without data,
+    and NONFINITE from a worker whose gradients in this bucket are not finite, which sends zeros: a NaN or Inf
+    never reaches another replica as data, but every worker learns that one was there, and the bucket's
+    average is then NaN on every worker. So every worker skips the step, as with DDP (whose all-reduce spreads
+    the Inf): a GradScaler on each sees the overflow and backs off, and without one FAST's guard skips it
+    (fast.runtime.steps). The averages stay in the buffer: each parameter's `.grad` becomes a view into it
+    (DDP's gradient_as_bucket_view), so nothing is copied back.
     """
 
     def __init__(self, params: list[nn.Parameter], zeros: torch.Tensor, summed: SumBuffer | None = None) -> None:
@@ -79,12 +82,17 @@ class Bucket:
         finite = math.isfinite(torch.dot(self.grads, self.zeros))
         if not finite or not contributing:
             self.buffer.zero_()
-        self.count.fill_(1.0 if finite and contributing else 0.0)
+        self.count.fill_(0.0 if not contributing else 1.0 if finite else NONFINITE)
         return finite
 
-    def average(self) -> None:
+    def average(self) -> bool:
+        """The sum becomes the average over the workers that contributed; False (and NaN) if one was not finite."""
         count = float(self.count)
+        if count >= NONFINITE:
+            self.grads.fill_(math.nan)
+            return False
         self.grads.mul_(1 / count) if count > 0 else self.buffer.zero_()  # mul: half the time of div
+        return True
 
     def write_back(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):
@@ -191,7 +199,7 @@ class Sync(Strategy):
         if not bucket.fill(self.contributing):
             self.gradients_were_bad = True
         if self.compressed is not None:  # the count of contributing workers travels alongside, uncompressed
-            if self.momentum is not None and float(bucket.count) > 0:
+            if self.momentum is not None and float(bucket.count) == 1.0:
                 self.momentum.apply(bucket.params, bucket.views)
             shapes = [p.shape for p in bucket.params]
             key = f"bucket{self.buckets.index(bucket)}"
@@ -200,7 +208,7 @@ class Sync(Strategy):
         bucket.handle = bucket.summed.start()
 
     def before_step(self, step: int) -> None:
-        self.gradients_were_bad = False
+        self.gradients_were_bad = self.skips_step = False
         if self.compressed is not None:
             self.compressed.set_epoch(step // self.ctx.steps_per_epoch)
 
@@ -218,7 +226,8 @@ class Sync(Strategy):
                 if self.leaders is not None:
                     self.leaders.all_reduce(bucket.buffer)
                 self.group.broadcast(bucket.buffer, src=self.group.ranks[0])
-            bucket.average()
+            if not bucket.average():
+                self.skips_step = True
             bucket.write_back()
             bucket.ready, bucket.handle = 0, None
 
