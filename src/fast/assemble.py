@@ -158,8 +158,8 @@ def check_deployment(config: Config) -> None:
 
 def load_config(source: str | Path | dict[str, Any] | Config | None = None, **overrides: Any) -> Config:
     """A Config from a TOML path, a dict or a Config, with dotted-key overrides (`run__workers` also works)."""
-    if isinstance(source, Config):
-        data = source.to_dict()
+    if isinstance(source, Config):  # the keys it was given, not its defaults: what was set stays set
+        data = source.model_dump(mode="json", exclude_none=True, exclude_unset=True)
     elif isinstance(source, dict):
         data = {k: dict(v) if isinstance(v, dict) else v for k, v in source.items()}
     elif source is None:

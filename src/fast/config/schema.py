@@ -275,6 +275,11 @@ class PackageConfig(Section):
     trusted_key: str | None = Field(None, description="the author's ed25519 public key (PEM): refuse all else")
 
 
+# what FAST's own loop builds from the config, and a user's own loop does for itself
+USER_LOOP_SECTIONS = ("data", "model", "step", "eval", "optimizer", "schedule")
+USER_LOOP_RUN_KEYS = ("batch_size", "epochs", "accumulate", "eval_every")
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -292,6 +297,26 @@ class Config(Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
+
+    def as_used(self, fast_loop: bool) -> dict[str, Any]:
+        """What a run's records say it used: all of it for FAST's own loop (or a package); for the user's own
+        loop, of the parts FAST's loop would build (data, model, optimizer...) only the keys the user set."""
+        used = self.to_dict()
+        if fast_loop or self.package is not None:
+            return used
+        for name in USER_LOOP_SECTIONS:
+            section = getattr(self, name)
+            kept = section.model_dump(mode="json", exclude_none=True, exclude_unset=True) if section else {}
+            used.pop(name, None)
+            if kept:
+                used[name] = kept
+        for key in USER_LOOP_RUN_KEYS:
+            if key not in self.run.model_fields_set:
+                used["run"].pop(key, None)
+        return used
+
+    def as_used_toml(self, fast_loop: bool) -> str:
+        return tomli_w.dumps(self.as_used(fast_loop))
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())

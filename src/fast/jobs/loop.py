@@ -35,6 +35,7 @@ from fast.jobs.models import build_model
 from fast.jobs.package import PackedModel, check_data, packed_evaluation, packed_step
 from fast.optim import build_optimizer
 from fast.runtime import init
+from fast.runtime.job import FAST_LOOP
 from fast.targets import lower_is_better
 
 ModelFn = Callable[[tuple[int, ...], int], nn.Module]
@@ -233,8 +234,8 @@ def _call(step: StepFn, model: nn.Module, batch: Any) -> torch.Tensor:
 
 def train_worker(config: Config, run_dir: Path, user: UserCode, resume: bool = False) -> dict[str, Any] | None:
     """One process of `fast train`: the whole training loop on the job API (servers serve inside init)."""
+    FAST_LOOP.set(True)
     job = init(config, out=run_dir, resume=run_dir if resume else None)
-    job.loop_is_fast = True
     train, test = datasets(config)
     # everything but the model first: training time counts from job.prepare's common start
     loader = job.loader(train, config.run.batch_size)

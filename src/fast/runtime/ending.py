@@ -144,7 +144,8 @@ class Ending:
     def _join(self) -> None:
         """Workers in step end together: one that has run out of steps while the others go on takes part in their
         exchanges with no data (as DDP's Join) until the periodic check finds every worker done."""
-        joined_at = self.step
+        joined_at = self._ran_out_at = self.step
+        self._bytes_when_ran_out = self.world.counter.snapshot()["bytes_sent"]
         self._settle(finishing=True)
         if self.stopped and self._checked_at != self.step:  # the plan ended here for all (a run resumed at its end)
             self._agree(done=True)
@@ -153,7 +154,9 @@ class Ending:
                 self._agree(done=True)
                 continue
             self.driver.null_step()
-        if self.step > joined_at:
+            if self.strategy.nobody_contributed:  # every worker has ended (sync's counts say so): end here
+                self._ended_at, self._last_step_of_all = self.step, self.step - 1
+        if self._last_step_of_all > joined_at:  # (all may end together, between two checks: steps without data)
             self.context.log(
                 f"fast: worker {self.rank} ran out of steps at step {joined_at} while others went on: it took part in "
                 f"their exchanges without data until step {self.step}, where they all ended"
@@ -203,6 +206,11 @@ class Ending:
         made = {summed.transport for comm in groups for summed in comm.local_sums.sums.values()}
         return {"all_reduce": ", ".join(sorted(made))} if made else {}
 
+    def _bytes_in_empty_steps(self) -> int:
+        if self._ran_out_at is None:
+            return 0
+        return self.world.counter.snapshot()["bytes_sent"] - self._bytes_when_ran_out
+
     def _own_figures(self) -> dict[str, Any]:
         """What this process contributes to the summary."""
         compensation = self.strategy.compensation.figures() if self.strategy.compensation is not None else {}
@@ -213,7 +221,11 @@ class Ending:
             "staleness": self.strategy.staleness,
             "counter": self.world.counter.snapshot(),
             "strategy": {**self._reduced_through(), **self.strategy.summary(), **compensation},
-            "steps": 0 if self.is_server else self.step,
+            # the steps it took with data; those without (waiting for the others to end) apart
+            "steps": 0 if self.is_server else self._ran_out_at if self._ran_out_at is not None else self.step,
+            "empty_steps": self.step - self._ran_out_at if self._ran_out_at is not None else 0,
+            "bytes_sent_in_empty_steps": self._bytes_in_empty_steps(),
+            "samples": self.driver.samples,
             "skipped_steps": self.skipped_steps,
             "steps_skipped_by_the_loop": self.driver.loop_skipped,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
@@ -361,7 +373,8 @@ class Ending:
         spreads = [p["compute_spread"] for p in trainers if p.get("compute_spread") is not None]
         requests = [p["request_s"] for p in everyone if p.get("request_s") is not None]
         steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
-        samples = sum(p["steps"] for p in trainers) * self.batch_size
+        # what the loop passed through the model (its first dimension), else steps x batch size
+        samples = sum(p.get("samples") or p["steps"] * self.batch_size for p in trainers)
         sent = sum(p["counter"]["bytes_sent"] for p in everyone)
         uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
         staleness = [s for p in everyone for s in p["staleness"]]
@@ -387,6 +400,9 @@ class Ending:
             "final_test_loss": final.get("test_loss"),
             "best_test_accuracy": best("accuracy", [e["test_accuracy"] for e in evals if "test_accuracy" in e]),
             "wall_time_s": wall,
+            "samples": samples,
+            "empty_steps": max(p.get("empty_steps", 0) for p in trainers),  # (in bytes_sent, and apart:)
+            "bytes_sent_in_empty_steps": sum(p.get("bytes_sent_in_empty_steps", 0) for p in everyone),
             "samples_per_s": samples / wall if wall > 0 else None,
             "step_time_s": wall / steps if steps else None,
             "bytes_sent": sent,
@@ -410,7 +426,7 @@ class Ending:
                 [(p.get("own_metrics") or {}).get("accuracy") for p in trainers] if differ else None
             ),
             "evaluations": evals,
-            "config": config.to_dict(),
+            "config": config.as_used(self.loop_is_fast),
             "env": environment(),
             "step_compute_s": compute_s,
             "step_compute_spread": sum(spreads) / len(spreads) if spreads else None,

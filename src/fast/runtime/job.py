@@ -63,6 +63,7 @@ from fast.strategies.base import ModelLayout
 LAYOUT_TAG = tags.LAYOUT
 MAX_STEPS_BETWEEN_CHECKS = 10_000
 _current: ContextVar[Job | None] = ContextVar("job", default=None)  # the process's (each simulated one's) job
+FAST_LOOP: ContextVar[bool] = ContextVar("fast_loop", default=False)  # set by FAST's own loop (fast train)
 
 
 def current() -> Job:
@@ -130,7 +131,8 @@ def init(
         config = _torchrun_world(config)
     if alone:
         config = _alone(config)
-    run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or default_run_dir(config))
+    run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or
+                   (new_folder(Path("runs"), config.run.name) if alone else default_run_dir(config)))  # fmt: skip
     if alone:  # no launcher holds the folder for this run: the script itself does
         claim(run_dir)
     job = Job(config, run_dir, resume=bool(resume_dir), alone=alone)
@@ -163,11 +165,9 @@ def _alone(config: Config) -> Config:
             f"`fast run --workers {config.run.workers} SCRIPT` (or torchrun)"
         )
     if config.run.workers > 1:
-        print(
-            f"fast: not started by `fast run` or torchrun: training as 1 worker (for {config.run.workers}: "
-            f"fast run --workers {config.run.workers} SCRIPT)",
-            file=sys.stderr,
-        )
+        if "workers" in config.run.model_fields_set:  # (the default's 4 says nothing of the user's intent)
+            print(f"fast: not started by `fast run` or torchrun: training as 1 worker (for {config.run.workers}: "
+                  f"fast run --workers {config.run.workers} SCRIPT)", file=sys.stderr)  # fmt: skip
         config = load_config(config, run__workers=1)
     folder = tempfile.mkdtemp(prefix="fast-alone-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -176,13 +176,14 @@ def _alone(config: Config) -> Config:
     return config
 
 
-def prepare_run_dir(config: Config, run_dir: Path, resume: bool) -> None:
-    """The run folder with config.toml; a fresh run in a used folder starts clean (rank 0, before the others)."""
+def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool) -> None:
+    """The run folder with config.toml (what the run uses: see Config.as_used); a fresh run in a used folder
+    starts clean (rank 0, before the others)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
             stale.unlink(missing_ok=True)
-    files.write_text(run_dir / "config.toml", config.to_toml())
+    files.write_text(run_dir / "config.toml", config.as_used_toml(fast_loop))
 
 
 class Job(Evaluating, Checkpointing, Ending, Live):
@@ -190,6 +191,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
 
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
         self.config, self.run_dir, self.resuming, self.alone = config, run_dir, resume, alone
+        self.loop_is_fast = FAST_LOOP.get()  # FAST's own loop (fast train), not the user's
         where = place()
         self.simulated = where is not None
         self.rank, self.world_size = where or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
@@ -222,7 +224,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             name_process(f"fast {role} {strategy_name} ({run.name})")
             torch.set_num_threads(run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size))
         if self.is_main:
-            prepare_run_dir(config, run_dir, resume)
+            prepare_run_dir(config, run_dir, resume, self.loop_is_fast)
         self.device = engine.device_for(run.device)
         if self.elastic:
             self._start_membership()  # the world, its group and the control group, from the newest generation
@@ -298,9 +300,10 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.loaders: list[ShardedLoader] = []
         self.loader_position: tuple[int, int] | None = None
         self.skipped_steps, self.bad_in_a_row = 0, 0
-        self.loop_is_fast = False  # FAST's own loop (fast train), not the user's
         self._stopping = False
         self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
+        self._ran_out_at: int | None = None  # the step this worker's loop ended at, before any empty step
+        self._last_step_of_all = 0  # the last step any worker took with data, as of the last check
         self._checked_at = -1  # the step of the last check
         self._pace_from = (0, 0.0)  # (step, training time) of the last check, or of the start
         self._next_check = 1  # the step after which the workers check next: the first, then as they agree
@@ -514,10 +517,12 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self._checked_at = self.step
         limit = self.config.run.max_time_s
         out_of_time = limit is not None and self.trained_s >= limit
-        flags = [int(out_of_time), int(done), self._steps_to_next_check()]
+        ran_out_at = self._ran_out_at if self._ran_out_at is not None else -1
+        flags = [int(out_of_time), int(done), self._steps_to_next_check(), ran_out_at]
         answer = self.control.round(control.STOP, self.step, flags, self.strategy.dead, self._lost)
         self._pace_from = (self.step, self.trained_s)
         self._next_check = self.step + min(f[2] for f in answer.flags)
+        self._last_step_of_all = max(f[3] if f[3] >= 0 else self.step for f in answer.flags)
         if answer.any(0):
             self._stopping = True
         if answer.any(0) or answer.all(1):

@@ -36,6 +36,14 @@ def all_finite(grads: list[torch.Tensor]) -> bool:
     return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
 
 
+def _batch_size(args: Any, kwargs: dict[str, Any]) -> int:
+    """The first dimension of the first tensor a forward is given (a batch's samples), or 0."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
+
+
 class StepDriver:
     """Hooks a strategy into one model and one optimizer (`attach`); `on_step_done` is the job's bookkeeping."""
 
@@ -52,6 +60,7 @@ class StepDriver:
         self.step = 0  # the step under way (steps done so far)
         self.began = self.backward_done = self.callback_queued = False
         self.bad = False
+        self.samples = 0  # the samples the loop passed through the model in training (their first dimension)
         self.loop_skipped = 0  # steps the user's loop skipped (a GradScaler's), counted apart from bad steps
         self.computing = False  # a compute span is open (fast.comm.timeline)
         self.accumulating = self.in_no_sync = False
@@ -71,10 +80,10 @@ class StepDriver:
         me = weakref.ref(self)
         target = weakref.ref(model)
 
-        def before_forward(module: nn.Module, args: Any) -> None:
+        def before_forward(module: nn.Module, args: Any, kwargs: Any) -> None:
             driver = me()
             if driver is not None and module is target():
-                driver._forward_starts(module)
+                driver._forward_starts(module, args, kwargs)
 
         def after_forward(module: nn.Module, args: Any, output: Any) -> None:
             driver = me()
@@ -104,7 +113,7 @@ class StepDriver:
         if not hasattr(model, "no_sync"):  # DDP's spelling of gradient accumulation, for a script that uses it
             model.no_sync = no_sync
         self.handles = [
-            model.register_forward_pre_hook(before_forward),
+            model.register_forward_pre_hook(before_forward, with_kwargs=True),
             model.register_forward_hook(after_forward),
             optimizer.register_step_pre_hook(before_optimizer),
             optimizer.register_step_post_hook(after_optimizer),
@@ -117,9 +126,10 @@ class StepDriver:
         self.handles = []
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def _forward_starts(self, module: nn.Module) -> None:
+    def _forward_starts(self, module: nn.Module, args: Any = (), kwargs: Any = None) -> None:
         if self.evaluating or not module.training or not torch.is_grad_enabled():
             return
+        self.samples += _batch_size(args, kwargs or {})
         if not self.began:
             self.begin()
         elif self.backward_done and not self.accumulating:

@@ -220,16 +220,19 @@ class Sync(Strategy):
                 self._launch(self.buckets[index])
         self.launched = {index: n for n, index in enumerate(self.order)}
         self.order = []
+        counted = 0.0
         for bucket in self.buckets:
             bucket.handle.wait()
             if self.group is not None:
                 if self.leaders is not None:
                     self.leaders.all_reduce(bucket.buffer)
                 self.group.broadcast(bucket.buffer, src=self.group.ranks[0])
+            counted += float(bucket.count)
             if not bucket.average():
                 self.skips_step = True
             bucket.write_back()
             bucket.ready, bucket.handle = 0, None
+        self.nobody_contributed = counted == 0.0
 
     def regroup(self) -> None:
         self.buckets = self._make_buckets([p for b in self.buckets for p in reversed(b.params)][::-1], True)

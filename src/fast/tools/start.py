@@ -53,7 +53,7 @@ def prepare(
     if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
         claim(run_dir)  # before anything in it is cleared: another live run may hold it
     try:
-        prepare_run_dir(config, run_dir, resume is not None)
+        prepare_run_dir(config, run_dir, resume is not None, fast_loop=True)
     except BaseException:
         release(run_dir)
         raise
