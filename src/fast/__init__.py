@@ -27,7 +27,9 @@ def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
     from fast.errors import FastError
 
     if isinstance(error, FastError):
-        print(f"fast: error: {error}", file=sys.stderr)
+        # the process's own stderr: torch's hook (installed by init_process_group, and calling this one) reads
+        # sys.stderr into a buffer it would print after this hook returns, which sys.exit never does
+        print(f"fast: error: {error}", file=sys.__stderr__ or sys.stderr)
         sys.exit(error.exit_code)
     if isinstance(error, FileNotFoundError) and _abandoned(tb):
         return
