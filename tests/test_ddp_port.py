@@ -184,3 +184,16 @@ def test_a_compiled_models_file_loads_into_its_own_class(tmp_path):
     _run([sys.executable, str(script)], tmp_path)
     state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).load_state_dict(state)  # no _orig_mod.
+
+
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_hugging_face_gpt2_trains_in_a_users_loop(tmp_path, no_orphans, strategy):
+    pytest.importorskip("transformers", reason="the transformers extra: pip install -e '.[transformers]'")
+    run = tmp_path / "run"
+    _run([FAST, "run", "--workers", "2", "--out", str(run), "--set", f"strategy.name={strategy}",
+          str(SCRIPTS / "hf_gpt2.py")], tmp_path)  # fmt: skip
+    summary = _summary(run)
+    assert summary["strategy"] == strategy and summary["steps_per_worker"] == 40
+    assert summary["samples"] == 2 * 40 * 8  # counted from input_ids, a keyword argument
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert losses[-1] < 0.8 * losses[0]
