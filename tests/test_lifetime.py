@@ -93,7 +93,9 @@ def _command(kind: str, tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["train", "run", "compare"])
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize(
+    "how", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)], ids=["SIGKILL", "SIGTERM"]
+)  # (SIGTERM goes the way of Ctrl-C, which test_sigterm_ends_a_run_as_ctrl_c_does_with_the_resume_hint covers)
 def test_killing_the_launcher_leaves_no_process_and_no_scratch_file(tmp_path, kind, how):
     proc = start(_command(kind, tmp_path), tmp_path)
     try:

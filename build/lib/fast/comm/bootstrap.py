@@ -1,0 +1,170 @@
+"""The process-group bootstrap: join torch.distributed (gloo on CPU, NCCL on CUDA), started by FAST's local launcher
+or under torchrun, and hand back the `Comm` every layer above moves tensors through."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fast.comm import Comm
+from fast.comm.comm import with_deadline
+from fast.errors import ConfigError
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has already set the rendezvous variables."""
+    return all(v in os.environ for v in TORCHRUN_VARIABLES)
+
+
+def resolved(addr: str) -> str:
+    """`addr` (run.master_addr, MASTER_ADDR) once it is known to resolve; ConfigError naming it otherwise."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"run.master_addr {addr!r} does not resolve ({e}): give an address or a name this machine "
+                          "knows, or leave it at 127.0.0.1 for a run on this machine") from None  # fmt: skip
+    return addr
+
+
+def interface_to(addr: str) -> tuple[str, str] | None:
+    """(interface, local address) through which this machine reaches `addr`, as the routing table says; None when
+    it cannot tell (no route, not IPv4). Gloo binds the address the host name resolves to unless told an
+    interface, which on many hosts is loopback: peers on other machines could not connect."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(addr), 9))  # no packet is sent: the kernel picks the route
+            local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:  # no IPv4 address on it
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name, local
+    except OSError:
+        return None
+    return None
+
+
+def gloo_interface(addr: str, say: bool = True) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for a process that meets its peers at `addr`: loopback for a local run, the user's own
+    choice if set, else the interface that routes to `addr` (said in one line when `say`)."""
+    if addr.startswith("127.") or addr == "localhost":
+        return {"GLOO_SOCKET_IFNAME": "lo"}
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return {"GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
+    found = interface_to(addr)
+    if found is None:
+        return {}
+    if say:
+        print(f"fast: gloo on {found[0]} ({found[1]}), the interface that routes to {addr}", file=sys.stderr)
+    return {"GLOO_SOCKET_IFNAME": found[0]}
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def device_for(kind: str) -> torch.device:
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError('`run.device` = "cuda" but no CUDA device is visible: use device = "cpu"')
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def start(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    device: torch.device,
+    deadline_s: float,
+    make_comm: Callable[..., Comm] = Comm,
+) -> Comm:
+    """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`, made by
+    `make_comm(deadline_s=..., device=...)` (an emulated one, say, whose traffic crosses emulated links)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=deadline_s)
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:  # under torchrun: across machines, say
+        os.environ.update(gloo_interface(addr, say=os.environ.get("LOCAL_RANK", "0") == "0"))
+    # under torch's elastic agent (torchrun, run.max_restarts) the agent hosts the store and keeps it across
+    # restarts, so every attempt gets keys of its own; otherwise rank 0 hosts it
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("FAST_STORE_FILE"):  # local runs: a file, so nothing listens beyond gloo's loopback pairs
+        store = dist.FileStore(f"{os.environ['FAST_STORE_FILE']}-{attempt}", world_size)  # a file per attempt
+    else:
+        store = _tcp_store(addr, port, world_size, rank == 0 and not agent, timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"fast/attempt-{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    return make_comm(deadline_s=deadline_s, device=device)
+
+
+def start_group(
+    store: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    deadline_s: float,
+    counter: Any = None,
+    make_comm: Callable[..., Comm] = Comm,
+    connect_s: float | None = None,
+) -> Comm:
+    """Form a default process group of `world_size` over `store` (one generation of an elastic run's membership,
+    fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
+    groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    with_deadline(None, deadline_s)
+    # the group itself, not None (whatever group is the default when an operation starts): a collective of an
+    # earlier generation still running in the background (an emulated one's rounds) fails on its aborted group
+    # rather than sending into this one
+    group = dist.distributed_c10d._get_default_group()
+    return make_comm(group=group, deadline_s=deadline_s, device=device, counter=counter)
+
+
+def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(addr, port, world_size, is_master=host, timeout=timeout)
+    except RuntimeError as e:
+        if host and "EADDRINUSE" in str(e):
+            raise ConfigError(f"port {port} of {addr} is in use (run.master_port, MASTER_PORT): choose another, or "
+                              "run.master_port = 0 for any free one") from None  # fmt: skip
+        raise
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort() -> None:
+    """Leave a broken group at once (an elastic run's member re-forming): its connections close, so a peer still
+    waiting in one of its collectives fails now rather than at its deadline. Nothing of it is waited for."""
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()

@@ -1,0 +1,366 @@
+"""The tensor-moving interface: point-to-point and collective operations with deadlines and byte accounting.
+
+Strategies move every tensor through a `Comm`; none touches torch.distributed. Peers are always named by
+their global rank. Every blocking call waits at most `deadline_s` and then raises `CommTimeout` naming the
+operation and the peer. Bytes are counted per peer by the shared `ByteCounter`:
+
+- point-to-point: the exact payload (and, for frames, the 8-byte length prefix);
+- native collectives run the backend's ring algorithm, so a worker sends and receives exactly what a ring
+  moves: 2(N-1)/N of the tensor for all-reduce, (N-1) chunks for all-gather; a broadcast root sends the
+  tensor to each of the N-1 others. (Emulated deployments run collectives as explicit point-to-point
+  rounds instead, where each message is counted as it is sent.)
+
+A send may be marked `droppable=True` (gossip, asynchronous pushes: the protocol survives a lost message).
+Native links never lose one; an emulated lossy or down link may, and the receive then raises `MessageLost`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fast.comm import timeline
+from fast.comm.accounting import ByteCounter
+from fast.comm.waiting import waiting
+from fast.errors import CommError, CommTimeout
+
+
+class MessageLost(CommError):
+    """A message sent with `droppable=True` was lost on an emulated link (never raised by native links)."""
+
+
+# how often a collective's wait in an interruptible group asks whether to give up (a point-to-point wait that times
+# out cannot be waited on again in gloo: those wait whole, and a peer that is gone closes their connection)
+INTERRUPT_POLL_S = 0.25
+
+
+class Handle:
+    """A pending operation. `wait()` enforces the deadline and returns the operation's result. With
+    `interrupted` (a live membership's groups), the wait also gives up as soon as `interrupted()` says why."""
+
+    def __init__(
+        self,
+        work: Any,
+        op: str,
+        peer: str,
+        deadline_s: float,
+        result: Any = None,
+        on_done: Callable[[], Any] | None = None,
+        interrupted: Callable[[], str | None] | None = None,
+    ) -> None:
+        self._work, self.op, self.peer, self.deadline_s = work, op, peer, deadline_s
+        self._result, self._on_done, self._done = result, on_done, work is None
+        self._interrupted = interrupted
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self, deadline_s: float | None = None) -> Any:
+        """The operation's result, once done; CommTimeout after `deadline_s` (default the comm's deadline)."""
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        if not self._done:
+            with waiting():
+                try:
+                    self._wait(deadline_s)
+                except CommError:
+                    raise
+                except Exception as e:  # the backend's timeout and connection errors both end here
+                    raise _comm_error(self.op, self.peer, deadline_s, e) from None
+                self._done = True
+                if self._on_done is not None:
+                    out = self._on_done()
+                    self._result = out if out is not None else self._result
+        return self._result
+
+    def _wait(self, deadline_s: float) -> None:
+        if self._interrupted is None:
+            self._work.wait(timedelta(seconds=deadline_s))
+            return
+        end = time.monotonic() + deadline_s
+        while True:  # a backend's wait that times out can be waited on again (gloo)
+            try:
+                self._work.wait(timedelta(seconds=max(0.001, min(INTERRUPT_POLL_S, end - time.monotonic()))))
+                return
+            except Exception as e:
+                if "timed out" not in str(e).lower() or time.monotonic() >= end:
+                    raise
+            reason = self._interrupted()
+            if reason is not None:
+                raise CommError(f"{self.op} with {self.peer} given up: {reason}")
+
+
+def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    # gloo's "[file.cc:553] Connection closed by peer [addr]:port. This is typically caused by ..." -> its gist
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0]
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        return CommTimeout(
+            f"{op} with {peer} passed its {deadline_s:g}s deadline: the peer is gone or stuck "
+            f"(raise run.deadline_s if it is only slow)"
+        )
+    return CommError(f"{op} with {peer} failed: {text}")
+
+
+def with_deadline(group: Any, deadline_s: float) -> None:
+    """Give `group` (None: the default one) the deadline of its operations, after a shorter one to connect."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=deadline_s), group)
+
+
+def sender_of(work: Any, group: Any) -> int:
+    """The global rank whose message a completed receive-from-any took. (torch's own `recv` asks the same of the
+    work's group rank; the public `Work.source_rank` is deprecated and prints a C++ warning at every call.)"""
+    local = work._source_rank()
+    return local if group is None else dist.get_global_rank(group, local)
+
+
+def post(op: str, peer: str, deadline_s: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Start a point-to-point operation; a connection already known to be closed fails here, not at wait()."""
+    try:
+        return start(*args, **kwargs)
+    except RuntimeError as e:
+        raise _comm_error(op, peer, deadline_s, e) from None
+
+
+class Comm:
+    """One worker's view of a communication group (the main group or a background channel)."""
+
+    shares_memory = True  # members on one machine may sum through shared memory (fast.comm.shared_memory)
+
+    def __init__(
+        self,
+        *,
+        group: Any = None,
+        deadline_s: float = 60.0,
+        device: torch.device | str = "cpu",
+        counter: ByteCounter | None = None,
+        ranks: list[int] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.group = group
+        self.deadline_s = deadline_s
+        self.device = torch.device(device)
+        self.counter = counter or ByteCounter()
+        self._world_size = dist.get_world_size() if world_size is None else world_size
+        self.ranks = ranks if ranks is not None else list(range(self._world_size))
+        self.rank = dist.get_rank() if rank is None else rank
+        self._channels: list[Comm] = []
+        # set by the job on its own groups when they share one machine's memory (fast.comm.shared_memory.LocalSums)
+        self.local_sums: Any = None
+        # a live membership's groups: why a wait should give up now (a newer membership), or None (Handle)
+        self.interrupted: Callable[[], str | None] | None = None
+        # a live membership's groups: how long making a group waits for its members (a member may be gone)
+        self.connect_s: float | None = None
+
+    # -- who ---------------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def index(self, rank: int | None = None) -> int:
+        """Position of a global rank inside this group."""
+        return self.ranks.index(self.rank if rank is None else rank)
+
+    # -- groups ------------------------------------------------------------------------------------------
+    def separate_group(self) -> Comm:
+        """A separate gloo group over the same ranks, for background threads (collective: all ranks call it)."""
+        group = self._connect_group(self.ranks, "gloo", self.connect_s)
+        comm = self._derived(group=group, ranks=self.ranks, device="cpu")
+        self._channels.append(comm)
+        return comm
+
+    def subgroups(
+        self, partition: list[list[int]], *, gloo: bool = False, connect_s: float | None = None
+    ) -> Comm | None:
+        """Split into groups (collective: every rank calls with the same partition); returns this rank's. With
+        `gloo`, the groups are gloo groups on the CPU whatever this one's backend (control traffic). Connecting
+        gives up after `connect_s` (default this group's own, or the deadline), the groups' operations after the
+        deadline."""
+        mine = None
+        backend = "gloo" if gloo else dist.get_backend(self.group)
+        device = "cpu" if gloo else self.device
+        for ranks in partition:
+            group = self._connect_group(ranks, backend, connect_s or self.connect_s)
+            if self.rank in ranks:
+                mine = self._derived(group=group, ranks=list(ranks), device=device)
+        return mine
+
+    def _connect_group(self, ranks: list[int], backend: str, connect_s: float | None) -> Any:
+        """A new process group (collective), whose connecting gives up after `connect_s` (a CommError: a member
+        did not come) and whose operations after the deadline."""
+        connect = min(self.deadline_s, connect_s or self.deadline_s)
+        try:
+            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=connect))
+        except RuntimeError as e:  # the store's wait for a member gave up (DistStoreError)
+            raise CommError(f"forming a group of workers {ranks}: {str(e).splitlines()[0]}") from None
+        if connect < self.deadline_s and self.rank in ranks:
+            with_deadline(group, self.deadline_s)
+        return group
+
+    def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
+        """A Comm of the same kind over another group, sharing this one's byte counter (and interruption)."""
+        comm = Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
+                    rank=self.rank, world_size=self._world_size)  # fmt: skip
+        comm.interrupted, comm.connect_s = self.interrupted, self.connect_s
+        return comm
+
+    def unmetered(self) -> Any:
+        """Context in which traffic is measurement only and is not counted in bytes_sent."""
+        return self.counter.unmetered()
+
+    # -- point to point ----------------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
+        work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
+        self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
+        return Handle(work, "send", f"worker {dst}", self.deadline_s)
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
+        peer = f"worker {src}" if src is not None else "any worker"
+        work = post("recv", peer, self.deadline_s, dist.irecv, tensor, src=src, group=self.group, tag=tag)
+
+        def done() -> torch.Tensor:
+            peer = src if src is not None else sender_of(work, self.group)
+            self.counter.add_received(peer, tensor.numel() * tensor.element_size())
+            return tensor
+
+        return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
+
+    @timeline.timed("send")
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
+        self.isend(tensor, dst, tag, droppable).wait()
+
+    @timeline.timed("recv")
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
+        return self.irecv(tensor, src, tag).wait()
+
+    def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
+        """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
+        work = post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
+        Handle(work, "recv", "any worker", self.deadline_s).wait()
+        peer = sender_of(work, self.group)
+        self.counter.add_received(peer, tensor.numel() * tensor.element_size())
+        return peer
+
+    def send_bytes(self, payload: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
+        """Send a variable-length uint8 payload (a codec frame): an 8-byte length, then the bytes."""
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.send(length, dst, tag)
+        if payload.numel():
+            self.send(payload.contiguous(), dst, tag)
+
+    def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
+        """Receive a payload sent by `send_bytes`, from `src` or from whichever peer comes first."""
+        length = torch.zeros(1, dtype=torch.int64)
+        peer = self.recv_from(length, tag) if src is None else (self.recv(length, src, tag), src)[1]
+        n = int(length.item())
+        if n < 0 or n > (1 << 34):
+            raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+        payload = torch.empty(n, dtype=torch.uint8)
+        if n:
+            self.recv(payload, peer, tag)
+        return peer, payload
+
+    # -- collectives -------------------------------------------------------------------------------------
+    def _ring_neighbours(self) -> tuple[int, int]:
+        i = self.index()
+        return self.ranks[(i + 1) % self.size], self.ranks[(i - 1) % self.size]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | torch.Tensor:
+        """Sum (or average, op="mean") `tensor` in place across the group."""
+        if op not in ("sum", "mean", "max", "min"):
+            raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
+        if self.local_sums is not None and not async_op and op in ("sum", "mean") and self.local_sums.takes(tensor):
+            return self.local_sums.all_reduce(tensor, op)
+        reduce_op = {
+            "sum": dist.ReduceOp.SUM,
+            "mean": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }[op]
+        handle = self._collective(
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
+            "all_reduce",
+            tensor,
+            2 * (self.size - 1) / self.size,
+            on_done=(lambda: tensor.div_(self.size)) if op == "mean" else None,
+            result=tensor,
+        )
+        return handle if async_op else handle.wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's `tensor` (all of the same shape), in group order."""
+        if self.size == 1:  # a group of one gathers its own tensor (no backend call)
+            return [tensor.clone()]
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        handle = self._collective(
+            lambda: dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
+            "all_gather",
+            tensor,
+            self.size - 1,
+            result=out,
+        )
+        return handle.wait()
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's variable-length uint8 payload: lengths first, then padded payloads, trimmed."""
+        lengths = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
+        longest = int(max(int(n) for n in lengths))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[: payload.numel()] = payload
+        return [p[: int(n)] for p, n in zip(self.all_gather(padded), lengths, strict=True)]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Copy `tensor` from global rank `src` to every member, in place."""
+        share = (self.size - 1) if self.rank == src else 0
+        handle = self._collective(
+            lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True),
+            "broadcast",
+            tensor,
+            share,
+            result=tensor,
+            receive_share=0 if self.rank == src else 1,
+        )
+        return handle.wait()
+
+    def barrier(self) -> None:
+        """Wait until every member arrives (control traffic: not counted)."""
+        flag = torch.zeros(1, device=self.device)
+        with self.unmetered():
+            self._collective(lambda: dist.all_reduce(flag, group=self.group, async_op=True), "barrier", flag, 0).wait()
+
+    def _collective(
+        self,
+        start: Callable[[], Any],
+        op: str,
+        tensor: torch.Tensor,
+        send_share: float,
+        *,
+        on_done: Callable[[], Any] | None = None,
+        result: Any = None,
+        receive_share: float | None = None,
+    ) -> Handle:
+        if self.size == 1:
+            if on_done is not None:
+                on_done()
+            return Handle(None, op, "the group", self.deadline_s, result)
+        try:
+            work = start()
+        except Exception as e:
+            raise _comm_error(op, f"the group {self.ranks}", self.deadline_s, e) from None
+        nbytes = tensor.numel() * tensor.element_size()
+        right, left = self._ring_neighbours()
+        self.counter.add_sent(right, round(nbytes * send_share))
+        self.counter.add_received(left, round(nbytes * (send_share if receive_share is None else receive_share)))
+        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted)

@@ -1,0 +1,95 @@
+"""The links of an emulated deployment: latency, bandwidth, jitter and loss per pair of ranks, and outages.
+
+A `LinkTable` answers, for a message from one global rank to another, which `EmulatedLink` it travels on
+and whether that link is down at a given time. It knows nothing about configs: `fast.emulation.deployment` builds
+it from the `[network]` and `[faults]` tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EmulatedLink:
+    """One direction of a link: `latency_s` per message, `bandwidth_Bps` bytes per second, `jitter_s` (each
+    message's latency varies uniformly within ± jitter) and `loss` (the probability that a droppable
+    message is lost)."""
+
+    latency_s: float
+    bandwidth_Bps: float
+    jitter_s: float = 0.0
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"link latency must be >= 0 s, got {self.latency_s}")
+        if not self.bandwidth_Bps > 0:  # math.inf: an ideal link (simulations without [network])
+            raise ValueError(f"link bandwidth must be > 0 B/s, got {self.bandwidth_Bps}")
+        if not (math.isfinite(self.jitter_s) and self.jitter_s >= 0):
+            raise ValueError(f"link jitter must be >= 0 s, got {self.jitter_s}")
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"link loss must be a probability in [0, 1), got {self.loss}")
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Seconds the sender's NIC is busy putting `nbytes` on this link."""
+        return nbytes / self.bandwidth_Bps
+
+    def describe(self) -> dict[str, float]:
+        return {
+            "latency_s": self.latency_s,
+            "bandwidth_Bps": self.bandwidth_Bps,
+            "jitter_s": self.jitter_s,
+            "loss": self.loss,
+        }
+
+
+@dataclass(frozen=True)
+class Outage:
+    """The link between ranks `a` and `b` is down (both directions) from `start_s` to `end_s`, in seconds
+    from the common start of training."""
+
+    a: int
+    b: int
+    start_s: float
+    end_s: float
+
+    def covers(self, src: int, dst: int, t: float) -> bool:
+        return {src, dst} == {self.a, self.b} and self.start_s <= t < self.end_s
+
+
+@dataclass
+class LinkTable:
+    """Every directed link among `size` ranks: `default` unless a (src, dst) entry in `links` overrides it."""
+
+    size: int
+    default: EmulatedLink
+    links: dict[tuple[int, int], EmulatedLink] = field(default_factory=dict)
+    outages: list[Outage] = field(default_factory=list)
+
+    def link(self, src: int, dst: int) -> EmulatedLink:
+        return self.links.get((src, dst), self.default)
+
+    def up_again_at(self, src: int, dst: int, t: float) -> float:
+        """`t` if the link is up at time `t`, else the first time from which it is up again."""
+        moved = True
+        while moved:
+            moved = False
+            for outage in self.outages:
+                if outage.covers(src, dst, t):
+                    t, moved = outage.end_s, True
+        return t
+
+    def describe(self) -> dict[str, object]:
+        """The resolved links, for summary.json: the default, each link that differs, and the outages."""
+        return {
+            "ranks": self.size,
+            "default": self.default.describe(),
+            "links": [
+                {"src": src, "dst": dst, **link.describe()}
+                for (src, dst), link in sorted(self.links.items())
+                if link != self.default
+            ],
+            "outages": [{"a": o.a, "b": o.b, "start_s": o.start_s, "end_s": o.end_s} for o in self.outages],
+        }

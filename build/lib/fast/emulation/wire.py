@@ -1,0 +1,175 @@
+"""The simulated engine's wire: every simulated process's mailboxes and the meetings of its collectives.
+
+A simulation (`fast.comm.scheduler.Simulation`) of a run holds one `Wire`: the mailboxes (group, receiver) ->
+messages not yet taken, each deliverable at the time the emulated link model gives it (`Network`), the meetings
+of the groups' collectives, which processes are gone, and what the links cost. `fast.emulation.simulated_comm`
+is the `Comm` every simulated process moves its tensors through over it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import resource
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fast.comm.scheduler import Simulation, current_task, simulation
+from fast.emulation.links import EmulatedLink, LinkTable
+from fast.emulation.network import Network
+
+
+@dataclass
+class Message:
+    src: int
+    tag: int
+    payload: torch.Tensor | None  # None: lost on its link
+    length: int
+    deliver_at: float
+    order: int
+    measurement: bool
+
+
+@dataclass
+class Meeting:
+    """One collective of a group: what each member brought, and, once all have, the result and its time."""
+
+    members: list[int]
+    brought: dict[int, Any]
+    result: Any = None
+    done_at: float | None = None
+    waiting: list[Any] | None = None
+
+
+class Wire:
+    """The run's mailboxes, (group, receiver) -> messages not yet taken, and the tasks waiting on them."""
+
+    def __init__(self, sim: Simulation, world_size: int, links: LinkTable, seed: int) -> None:
+        self.sim, self.world_size, self.links, self.seed = sim, world_size, links, seed
+        self.boxes: dict[tuple[int, int], list[Message]] = defaultdict(list)
+        self.waiters: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        self.gone: dict[int, str] = {}
+        self.groups: dict[tuple[Any, ...], int] = {}
+        self.meetings: dict[tuple[int, int], Meeting] = {}
+        self.busy_until: dict[int, float] = defaultdict(float)  # a group's collectives run one after another
+        self.networks = [Network(links, rank, seed) for rank in range(world_size)]
+        for network in self.networks:
+            network.start_clock(0.0)  # virtual time; the machines move it to the start of training
+        self._order = itertools.count()
+        self.host_started = time.perf_counter()
+        self.training_host_s: float | None = None  # until worker 0 was done training
+        self.host_step_s: list[float] = []  # run.step_time = "auto": the first steps, timed on the host
+        self.host_request_s: list[float] = []  # run.server_time = "auto": the servers' first requests, likewise
+
+    def add(self, rank: int) -> None:
+        """A process that joins the run (live membership) gets its place on the wire."""
+        while len(self.networks) <= rank:
+            network = Network(self.links, len(self.networks), self.seed)
+            network.start_clock(0.0)
+            self.networks.append(network)
+        self.world_size = len(self.networks)
+
+    def group(self, key: tuple[Any, ...]) -> int:
+        """The number of the group every member names by `key` (members create their groups in the same order)."""
+        return self.groups.setdefault(key, len(self.groups))
+
+    def post(self, group: int, dst: int, message: Message) -> None:
+        message.order = next(self._order)
+        self.boxes[(group, dst)].append(message)
+        for task in self.waiters[(group, dst)]:
+            self.sim.wake(task, message.deliver_at)
+
+    def _heads(self, group: int, dst: int, src: int | None, tag: int) -> list[Message]:
+        """The first message of each sender on `tag` (a link keeps its messages in order)."""
+        heads: dict[int, Message] = {}
+        for message in self.boxes[(group, dst)]:
+            if message.tag == tag and (src is None or message.src == src) and message.src not in heads:
+                heads[message.src] = message
+        return list(heads.values())
+
+    def take(self, group: int, dst: int, src: int | None, tag: int) -> Message | None:
+        ready = [m for m in self._heads(group, dst, src, tag) if m.deliver_at <= self.sim.now]
+        if not ready:
+            return None
+        message = min(ready, key=lambda m: (m.deliver_at, m.order))
+        self.boxes[(group, dst)].remove(message)
+        return message
+
+    def next_at(self, group: int, dst: int, src: int | None, tag: int) -> float | None:
+        return min((m.deliver_at for m in self._heads(group, dst, src, tag)), default=None)
+
+    def leave(self, rank: int, why: str) -> None:
+        """`rank` is gone: whoever waits on a message from it, or in a collective with it, learns so now."""
+        self.gone[rank] = why
+        for tasks in self.waiters.values():
+            for task in tasks:
+                self.sim.wake(task)
+        for meeting in self.meetings.values():
+            for task in meeting.waiting or []:
+                self.sim.wake(task)
+
+    def hop_s(self, ranks: list[int], nbytes: float) -> float:
+        """One round of a ring over `ranks` carrying `nbytes` per message: its slowest hop."""
+        n = len(ranks)
+        return max(self._message_s(ranks[i], ranks[(i + 1) % n], nbytes) for i in range(n))
+
+    def tree_round_s(self, ranks: list[int], nbytes: float) -> float:
+        """One round of a tree over `ranks`: the slowest link of the group."""
+        return max(self._message_s(a, b, nbytes) for a in ranks for b in ranks if a != b) if len(ranks) > 1 else 0
+
+    def _message_s(self, src: int, dst: int, nbytes: float) -> float:
+        link = self.links.link(src, dst)
+        return link.latency_s + link.transfer_s(int(nbytes))
+
+
+def ideal_links(size: int) -> LinkTable:
+    """Links that take no time: a simulation without [network] charges compute only."""
+    return LinkTable(size=size, default=EmulatedLink(latency_s=0.0, bandwidth_Bps=math.inf))
+
+
+def place() -> tuple[int, int] | None:
+    """(rank, world size) of the calling simulated process, or None in a real one."""
+    task, sim = current_task(), simulation()
+    if task is None or sim is None or task.rank is None:
+        return None
+    return task.rank, sim.shared["wire"].world_size
+
+
+def wire() -> Wire:
+    """The wire of the calling task's simulation."""
+    sim = simulation()
+    assert sim is not None
+    return sim.shared["wire"]
+
+
+def training_ends() -> None:
+    """Worker 0 is done training (what follows is the end: final model, evaluations, outputs)."""
+    the_wire = wire()
+    if the_wire.training_host_s is None:
+        the_wire.training_host_s = round(time.perf_counter() - the_wire.host_started, 3)
+
+
+def host_figures() -> dict[str, Any]:
+    """What the simulation cost the host so far: its seconds (all, and until worker 0 was done training), the
+    process's peak memory, and the compute time a step was charged (as `run.step_time` would fix it)."""
+    the_wire = wire()
+    timed = the_wire.host_step_s
+    return {
+        "engine": "simulated",
+        "host_s": round(time.perf_counter() - the_wire.host_started, 3),
+        "training_host_s": the_wire.training_host_s,
+        "peak_memory_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "step_time_s": statistics.median(timed) if timed else None,
+    }
+
+
+def start(sim: Simulation, world_size: int, links: LinkTable, seed: int) -> Wire:
+    """Lay the wire of a simulated run of `world_size` processes."""
+    the_wire = Wire(sim, world_size, links, seed)
+    sim.shared["wire"] = the_wire
+    return the_wire

@@ -1,0 +1,43 @@
+"""Errors FAST raises on purpose: each carries a one-line message that names the problem and the fix."""
+
+
+class FastError(Exception):
+    """Base of every error FAST reports to the user as a one-line message (exit code 1)."""
+
+    exit_code = 1
+
+
+class ConfigError(FastError):
+    """A configuration key is missing, unknown, of the wrong type, out of range or inconsistent (exit code 2)."""
+
+    exit_code = 2
+
+
+class UsageError(FastError):
+    """The job API was used out of order or with the wrong kind of argument (exit code 2)."""
+
+    exit_code = 2
+
+
+class PackageError(FastError):
+    """A packed job (`fast pack`) cannot be made, or is refused: altered, unsigned, truncated, too new (exit code 2)."""
+
+    exit_code = 2
+
+
+class DataError(FastError):
+    """A data set is not installed or cannot be read."""
+
+    exit_code = 2
+
+
+class CommError(FastError):
+    """A communication operation failed: a peer vanished, a frame was corrupt, a deadline passed."""
+
+
+class CommTimeout(CommError):
+    """A blocking communication operation passed its deadline."""
+
+
+class FrameError(CommError):
+    """Bytes received on the wire do not form a valid frame (bad magic, version, length or checksum)."""

@@ -1,0 +1,59 @@
+"""Termination signals handled as Ctrl-C is: SIGTERM and SIGHUP to a launcher raise `Stopped` where Ctrl-C raises
+KeyboardInterrupt (of which it is a kind), so that every process is stopped, what was written is kept, and the exit
+code is a shell's: 128 + the signal's number. Where an interrupt would leave something half done (an import, a
+process half started), `held_interrupts` holds them back until it is done."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+
+class Stopped(KeyboardInterrupt):
+    """A termination signal (SIGTERM, SIGHUP) to the launcher: raised where Ctrl-C raises KeyboardInterrupt, and
+    handled as it is."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+INTERRUPTS = (signal.SIGINT, *TERMINATION_SIGNALS)
+
+
+def stop_on_termination() -> None:
+    """In a launcher's main thread: SIGTERM and SIGHUP raise Stopped from now on."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    for number in TERMINATION_SIGNALS:
+        signal.signal(number, stop)
+
+
+def how_interrupted(interrupt: BaseException) -> tuple[str, int]:
+    """("Ctrl-C", 130) or ("SIGTERM", 143): what interrupted the launcher, and the exit code a shell would give."""
+    signum = interrupt.signum if isinstance(interrupt, Stopped) else signal.SIGINT
+    return ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name), 128 + signum
+
+
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back meanwhile, and delivered again as it ends (to the handlers there were
+    before). Outside the main thread, where Python handles no signal, nothing is held."""
+    held: list[int] = []
+    try:
+        previous = {number: signal.signal(number, lambda n, _: held.append(n)) for number in INTERRUPTS}
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in dict.fromkeys(held):
+            signal.raise_signal(number)

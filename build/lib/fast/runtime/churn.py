@@ -1,0 +1,93 @@
+"""`[faults] churn`: workers of an elastic run leave and come back at random, driven by its launcher.
+
+Each member but worker 0 stays an exponential time of mean `lifetime`, then is told to leave (through the
+membership's store: it kills itself, as a crash, or stops on SIGTERM, as a clean leave). After an exponential
+absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like any
+joiner. The draws are seeded by `run.seed`; times count from the start of training (the first group formed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fast.config import Config
+from fast.runtime.membership import Coordinator
+from fast.units import parse_duration
+
+
+def _die_with_launcher() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: its worker stops too
+
+
+class ChurnDraws:
+    """The seeded draws of `[faults] churn`: each member's stay and each absence (exponential), and how one leaves."""
+
+    def __init__(self, config: Config) -> None:
+        churn = config.faults.churn
+        self.how = churn.leave
+        self.mean_lifetime, self.mean_absence = parse_duration(churn.lifetime), parse_duration(churn.absence)
+        self.random = random.Random(config.run.seed * 7919 + 17)
+
+    def lifetime(self) -> float:
+        return self.random.expovariate(1 / self.mean_lifetime)
+
+    def absence(self) -> float:
+        return self.random.expovariate(1 / self.mean_absence)
+
+
+class ChurnDriver:
+    """The launcher's thread that makes members leave and brings new ones in (see the module)."""
+
+    def __init__(self, run_dir: Path, config: Config, coordinator: Coordinator) -> None:
+        self.run_dir, self.coordinator, self.draws = run_dir, coordinator, ChurnDraws(config)
+        self.leaves: dict[int, float] = {}  # member -> when it is told to leave
+        self.returns: list[float] = []  # when a new worker comes in
+        self.joiners: list[subprocess.Popen] = []
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fast-churn", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.coordinator.started():  # times count from the start of training
+            if self._closing.wait(0.1):
+                return
+        while not self._closing.wait(0.1):
+            now = time.monotonic()
+            for member in self.coordinator.members:
+                if member and member not in self.leaves:
+                    self.leaves[member] = now + self.draws.lifetime()
+            for member, at in list(self.leaves.items()):
+                if at <= now and at != float("inf") and member in self.coordinator.members:
+                    self.coordinator.evict(member, self.draws.how)
+                    self.leaves[member] = float("inf")
+                    self.returns.append(now + self.draws.absence())
+            for at in [at for at in self.returns if at <= now]:
+                self.returns.remove(at)
+                self._bring_one_in()
+
+    def _bring_one_in(self) -> None:
+        env = {**os.environ, "FAST_PROGRESS": "0"}
+        command = [sys.executable, "-m", "fast", "join", str(self.run_dir)]
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        self.joiners.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_launcher, **quiet))
+
+    def close(self) -> None:
+        """Stop making changes; the joiners still running end with the run (SIGTERM after a grace period)."""
+        self._closing.set()
+        self._thread.join(timeout=5)
+        deadline = time.monotonic() + 10
+        for joiner in self.joiners:
+            try:
+                joiner.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                joiner.terminate()
+                joiner.wait()

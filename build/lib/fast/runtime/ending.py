@@ -1,0 +1,457 @@
+"""The end of a run: every process's figures go to worker 0, which writes metrics.jsonl, model.pt and summary.json.
+
+Under a strategy whose workers need each other, the end is collective: the final model (`final_model`), its
+evaluation, and an all-gather of every process's figures. Under one that `survives_failures`, a collective
+could not finish once a process is dead, so every live process sends worker 0 its figures (and a worker its
+replica) point to point; worker 0 waits for each one it does not know to be dead, within the deadline, and
+records a failed receive as a death. It then builds the final model from the replicas it holds, evaluates it,
+writes the outputs with a `failures` list, and answers each survivor, which may then exit.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import platform
+import subprocess
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fast
+from fast.comm import tags, timing
+from fast.comm.timeline import chrome_trace, shares
+from fast.emulation.deployment import describe as describe_deployment
+from fast.emulation.deployment import emulated, record_of
+from fast.errors import CommError, ConfigError, UsageError
+from fast.runtime import checkpoints as checkpoint
+from fast.runtime import files
+from fast.runtime.evaluation import metrics_of
+from fast.strategies.base import pick_replica
+from fast.targets import best
+
+END_TAG = tags.END_OF_RUN
+
+
+def environment() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "fast_version": fast.__version__,
+        "git_commit": commit or None,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+
+
+# -- the run's end, collective or through worker 0 ---------------------------------------------------------------
+
+
+def _pack(value: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(payload: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
+def first_notices(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per dead process: the first time anyone noticed it."""
+    first: dict[int, dict[str, Any]] = {}
+    for failure in sorted(failures, key=lambda f: f["unix_time"]):
+        first.setdefault(failure["worker"], failure)
+    return sorted(first.values(), key=lambda f: f["unix_time"])
+
+
+# -- the outputs -----------------------------------------------------------------------------------------------------
+def write_outputs(
+    run_dir: Path, everyone: list[dict[str, Any]], model: nn.Module | None, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """Worker 0 writes metrics.jsonl (every process's records), model.pt and summary.json, each atomically. One
+    the disk refuses (full, read-only) does not keep the others from being written; the first refusal is raised
+    after them, and the summary lists what is missing (`unwritten`)."""
+    records = sorted((r for p in everyone for r in p["records"]), key=lambda r: (r["time_s"], r["worker"]))
+    outputs: list[tuple[str, Any]] = [
+        ("metrics.jsonl", lambda: files.write_text(run_dir / "metrics.jsonl",
+                                                   "".join(json.dumps(r) + "\n" for r in records))),
+    ]  # fmt: skip
+    if model is not None:  # a compiled model's own module: its keys load into the user's class
+        state = {k: v.detach().cpu() for k, v in getattr(model, "_orig_mod", model).state_dict().items()}
+        outputs.append(("model.pt", lambda: checkpoint.save_atomic(state, run_dir / "model.pt")))
+    if summary.get("config", {}).get("run", {}).get("trace"):
+        traces = sorted((run_dir / "workers").glob("trace-*.json"))
+        outputs.append(("trace.json", lambda: files.write_text(run_dir / "trace.json", chrome_trace(traces))))
+    refused: list[files.OutputError] = []
+    for name, write in outputs:
+        try:
+            write()
+        except files.OutputError as error:
+            refused.append(error)
+            summary.setdefault("unwritten", []).append(name)
+    try:
+        files.write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    except files.OutputError as error:
+        refused.append(error)
+    if refused:
+        raise refused[0]
+    return summary
+
+
+def mean_shares(each: list[dict[str, float]]) -> dict[str, float] | None:
+    """The workers' mean share of their training time per category (fast.comm.timeline)."""
+    each = [s for s in each if s]
+    if not each:
+        return None
+    return {key: round(sum(s[key] for s in each) / len(each), 4) for key in each[0]}
+
+
+class Ending:
+    """The end of the job's run (a part of fast.runtime.job.Job)."""
+
+    def finish(self, eval_fn: Callable[[nn.Module], dict[str, float]] | None = None) -> dict[str, Any] | None:
+        """End the run: wait for (or join) the other workers, the strategy's last exchanges, the final model by
+        `final_model`, its evaluation (with `eval_fn`, else the last one job.evaluate had), and the outputs:
+        metrics.jsonl, model.pt, summary.json. Returns the summary on worker 0, None on the others."""
+        if self.finished:
+            raise UsageError("job.finish() was already called")
+        if self.model is None:
+            raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
+        self._eval_fn = eval_fn or self._eval_fn
+        if self.simulated and self.is_main:
+            from fast.emulation.wire import training_ends
+
+            training_ends()
+        try:
+            summary = self._finish_worker()
+        finally:
+            self._close()
+        return summary
+
+    def _join(self) -> None:
+        """Workers in step end together: one that has run out of steps while the others go on takes part in their
+        exchanges with no data (as DDP's Join) until the periodic check finds every worker done."""
+        joined_at = self._ran_out_at = self.step
+        self._bytes_when_ran_out = self.world.counter.snapshot()["bytes_sent"]
+        self._settle(finishing=True)
+        if self.stopped and self._checked_at != self.step:  # the plan ended here for all (a run resumed at its end)
+            self._agree(done=True)
+        while self._ended_at != self.step:
+            if self._check_due(self.step) and self._checked_at != self.step:
+                self._agree(done=True)
+                continue
+            self.driver.null_step()
+            if self.strategy.nobody_contributed:  # every worker has ended (sync's counts say so): end here
+                self._ended_at, self._last_step_of_all = self.step, self.step - 1
+        if self._last_step_of_all > joined_at:  # (all may end together, between two checks: steps without data)
+            self.context.log(
+                f"fast: worker {self.rank} ran out of steps at step {joined_at} while others went on: it took part in "
+                f"their exchanges without data until step {self.step}, where they all ended"
+            )
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        if error is None and not self.finished and self.model is not None:
+            self.finish()
+
+    def _finish_worker(self) -> dict[str, Any] | None:
+        if self.elastic:  # the members are at the same step: nobody is admitted from here on
+            self._membership_ends()
+        elif self.lockstep and self.workers > 1:
+            self._join()
+        if self._recorded_at != self.step and self.step > 0:
+            self._record()  # the last steps' losses
+        # training time ends at the last step: the end of the run may wait for other workers (an asynchronous peer
+        # still training, worker 0 still evaluating), which is not this worker's training
+        self.trained_s = self.clock.now()
+        self.timeline.stop_counting()
+        self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
+        self.strategy.end_of_run()
+        self.records.close()
+        if self.strategy.survives_failures and not self.elastic:  # (an elastic run's members end together)
+            return self._gather_from_survivors()
+        model = None
+        if self._eval_fn is not None:
+            self._evaluate(self._eval_fn, final=True)
+            model = self.final_model
+        else:
+            with self.driver.evaluation():
+                model = self.strategy.final_model()
+        return self._gather_and_write(model)
+
+    def _finish_server(self) -> None:
+        if self.strategy.survives_failures:
+            self._gather_from_survivors()
+        else:
+            self._gather_and_write(None)
+
+    def _reduced_through(self) -> dict[str, str]:
+        """What the job's own groups summed their all-reduces through, when they kept sums (run.shared_memory)."""
+        groups = [comm for comm in self._own_groups() if comm.local_sums is not None]
+        made = {summed.transport for comm in groups for summed in comm.local_sums.sums.values()}
+        return {"all_reduce": ", ".join(sorted(made))} if made else {}
+
+    def _bytes_in_empty_steps(self) -> int:
+        if self._ran_out_at is None:
+            return 0
+        return self.world.counter.snapshot()["bytes_sent"] - self._bytes_when_ran_out
+
+    def _own_figures(self) -> dict[str, Any]:
+        """What this process contributes to the summary."""
+        compensation = self.strategy.compensation.figures() if self.strategy.compensation is not None else {}
+        own: dict[str, Any] = {
+            "rank": self.rank,
+            "server": self.is_server,
+            "records": self.records.records,
+            "staleness": self.strategy.staleness,
+            "counter": self.world.counter.snapshot(),
+            "strategy": {**self._reduced_through(), **self.strategy.summary(), **compensation},
+            # the steps it took with data; those without (waiting for the others to end) apart
+            "steps": 0 if self.is_server else self._ran_out_at if self._ran_out_at is not None else self.step,
+            "empty_steps": self.step - self._ran_out_at if self._ran_out_at is not None else 0,
+            "bytes_sent_in_empty_steps": self._bytes_in_empty_steps(),
+            "samples": self.driver.samples,
+            "skipped_steps": self.skipped_steps,
+            "steps_skipped_by_the_loop": self.driver.loop_skipped,
+            "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
+            "compute_s": self.machine.compute_s,
+            "compute_spread": self.machine.compute_spread,
+            "request_s": self.machine.request_s,  # a server's (workers answer no requests)
+        }
+        if emulated(self.config):
+            own["deployment"] = record_of(self.machine, self.world)
+        if self.is_worker:
+            own["timeline"] = dict(self.timeline.seconds)
+        if self.config.run.trace:  # this process's part of trace.json, which worker 0 puts together
+            part = self.run_dir / "workers" / f"trace-{self.rank}.json"
+            part.write_text(json.dumps(self.timeline.chrome_events(self.role)))
+        if self.is_worker and self.strategy.replicas_differ and self._eval_fn is not None:
+            with self.driver.evaluation():
+                own["own_metrics"] = metrics_of(self._eval_fn, self.model)
+        return own
+
+    def _gather_and_write(self, model: nn.Module | None) -> dict[str, Any] | None:
+        """Collective over all processes: worker 0 writes metrics.jsonl, summary.json and model.pt."""
+        own = self._own_figures()
+        payload = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
+        with self.world.unmetered():
+            parts = self.world.all_gather_bytes(payload.to(self.world.device))
+        if not self.is_main:
+            return None
+        everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
+        return write_outputs(self.run_dir, everyone, model, self._summarize(everyone))
+
+    def _gather_from_survivors(self) -> dict[str, Any] | None:
+        """Every live process: hand the run's end to worker 0 (which returns the summary; the others None). On the
+        ending line, a process that stays silent past the deadline is given up without breaking the others'."""
+        world, strategy, line = self.world, self.strategy, self.ending_line
+        figures = {**self._own_figures(), "failures": strategy.failures}
+        replica = None if self.is_server else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if not self.is_main:
+            # worker 0 may first wait on every other process, then evaluate and write: a longer deadline
+            patience = world.deadline_s * (world.size + 2)
+            with line.unmetered():
+                line.send_bytes(_pack(json.dumps(figures)), 0, tag=END_TAG, deadline_s=patience)
+                line.send_bytes(_pack(replica), 0, tag=END_TAG, deadline_s=patience)
+                line.recv(torch.zeros(1), 0, tag=END_TAG, deadline_s=patience)
+            return None
+        everyone, replicas = [figures], [replica]
+        with line.unmetered():
+            for rank in range(1, world.size):
+                if rank in strategy.dead:
+                    continue
+                try:
+                    everyone.append(json.loads(_unpack(line.recv_bytes(rank, tag=END_TAG))))
+                    theirs = _unpack(line.recv_bytes(rank, tag=END_TAG))
+                except CommError as e:
+                    strategy.lost(rank, self.step, f"end of run: {e}")
+                    continue
+                if theirs is not None:
+                    replicas.append(theirs)
+        model = self._final_from_replicas(replicas)
+        self._final_evaluation(model, replicas)
+        summary = self._summarize(everyone)
+        start = timing.wall() - self.clock.now()
+        summary["failures"] = [
+            {**failure, "time_s": round(failure["unix_time"] - start, 3)}
+            for failure in first_notices([f for p in everyone for f in p["failures"]] + strategy.failures)
+        ]
+        summary = write_outputs(self.run_dir, everyone, model, summary)
+        with line.unmetered():
+            for p in everyone[1:]:
+                try:
+                    line.send(torch.ones(1), p["rank"], tag=END_TAG)
+                except CommError:
+                    pass  # it died after handing in its part: nothing left to tell it
+        return summary
+
+    def _final_from_replicas(self, replicas: list[dict[str, torch.Tensor]]) -> nn.Module:
+        """The reported model from the survivors' replicas (worker 0's first), as `final_model` says: the average;
+        the replica of worker K (the average if K is gone); the best by the validation score. A strategy whose
+        replicas agree only has its floating buffers (batch norm) averaged."""
+        strategy = self.strategy
+        model = copy.deepcopy(self.model)
+        ranks = [0] + [r for r in range(1, self.workers) if r not in strategy.dead]
+
+        def scores() -> list[float]:
+            found = []
+            for replica in replicas:
+                model.load_state_dict(replica)
+                found.append(strategy.score(model))
+            return found
+
+        chosen = None
+        if strategy.replicas_differ:
+            chosen = pick_replica(strategy.options.final_model, ranks, self.workers, scores)
+        if chosen is not None:
+            model.load_state_dict(replicas[ranks.index(chosen)])
+        else:  # the average (of the floating buffers only, batch norm's, where the replicas agree)
+            averaged = None if strategy.replicas_differ else {name for name, _ in model.named_buffers()}
+            with torch.no_grad():
+                for name, tensor in model.state_dict().items():
+                    if tensor.is_floating_point() and (averaged is None or name in averaged):
+                        tensor.copy_(torch.stack([r[name] for r in replicas]).mean(0).to(tensor.device))
+        return model
+
+    def _final_evaluation(self, model: nn.Module, replicas: list[dict[str, torch.Tensor]]) -> None:
+        """Worker 0 evaluates the final model and records it as the run's last evaluation (survivors' end)."""
+        if self._eval_fn is None:
+            return
+        with self.clock.pause(), self.driver.evaluation():
+            metrics = self._metrics_of(self._eval_fn, model)
+        self._check_targets(metrics)
+        divergence = None
+        if self.strategy.replicas_differ:
+            names = [name for name, _ in self.model.named_parameters()]
+            flats = torch.stack([torch.cat([r[name].reshape(-1).float() for name in names]) for r in replicas])
+            mean = flats.mean(0)
+            divergence = float(((flats - mean).norm(dim=1) / mean.norm().clamp_min(1e-12)).mean())
+        self._record_evaluation(metrics, divergence)
+
+    def _eval_time_s(self) -> float | None:
+        """Worker 0's mean time for an evaluation during the run; the final one's if there was none (the final one
+        takes the whole test set, those during the run `eval.samples` of it)."""
+        seconds = self.eval_seconds or self.final_eval_seconds
+        return sum(seconds) / len(seconds) if seconds else None
+
+    def _predicted_step_time(self, compute_s: float | None) -> float | None:
+        """The cost model's step time for this run (fast.tools.predict) from the compute time the run measured, to set
+        beside the measured step time; None when the strategy has no cost model."""
+        from fast.pricing import predicted_step_time
+
+        if compute_s is None or self.model is None:
+            return None
+        try:
+            return predicted_step_time(self.config, model=self.model, compute_s=compute_s)
+        except ConfigError:
+            return None
+
+    def _summarize(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
+        config, run = self.config, self.config.run
+        trainers = [p for p in everyone if not p["server"]]
+        evals = self.records.evals
+        final = evals[-1] if evals else {}
+        wall = max(p["time_s"] for p in trainers)
+        computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
+        # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
+        compute_s = max(computes) if computes else None
+        spreads = [p["compute_spread"] for p in trainers if p.get("compute_spread") is not None]
+        requests = [p["request_s"] for p in everyone if p.get("request_s") is not None]
+        steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
+        # what the loop passed through the model (its first dimension), else steps x batch size
+        samples = sum(p.get("samples") or p["steps"] * self.batch_size for p in trainers)
+        sent = sum(p["counter"]["bytes_sent"] for p in everyone)
+        uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
+        staleness = [s for p in everyone for s in p["staleness"]]
+        targets = run.parsed_targets
+        time_to: dict[str, float | None] = {}
+        for target in targets:
+            key = f"test_{target.metric}"
+            time_to[target.label] = next((e["time_s"] for e in evals if target.reached(e.get(key))), None)
+        metric_names = sorted({k.removeprefix("test_") for e in evals for k in e if k.startswith("test_")})
+        differ = self.strategy.replicas_differ
+        summary: dict[str, Any] = {
+            "name": run.name,
+            "strategy": config.strategy.name,
+            "codec": config.codec.name,
+            "workers": run.workers,
+            "servers": len(everyone) - len(trainers),
+            "epochs": self.planned_epochs if self.planned_epochs is not None else run.epochs,
+            "steps_per_worker": steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "batch_size": self.batch_size,
+            "final_model": self.strategy.options.final_model if differ else "replica",
+            "final_test_accuracy": final.get("test_accuracy"),
+            "final_test_loss": final.get("test_loss"),
+            "best_test_accuracy": best("accuracy", [e["test_accuracy"] for e in evals if "test_accuracy" in e]),
+            "wall_time_s": wall,
+            "samples": samples,
+            "empty_steps": max(p.get("empty_steps", 0) for p in trainers),  # (in bytes_sent, and apart:)
+            "bytes_sent_in_empty_steps": sum(p.get("bytes_sent_in_empty_steps", 0) for p in everyone),
+            "samples_per_s": samples / wall if wall > 0 else None,
+            "step_time_s": wall / steps if steps else None,
+            "bytes_sent": sent,
+            "bytes_received": sum(p["counter"]["bytes_received"] for p in everyone),
+            "bytes_sent_uncompressed": uncompressed,
+            "compression_ratio": uncompressed / sent if sent else None,
+            "targets": [t.label for t in targets],
+            "time_to_target_s": time_to,
+            "time_to_accuracy_s": {
+                f"{t.value:g}": time_to[t.label] for t in targets if t.metric == "accuracy" and t.op == ">="
+            },
+            "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
+            "max_staleness": max(staleness) if staleness else None,
+            "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
+            "skipped_steps": sum(p["skipped_steps"] for p in everyone),
+            # steps the user's loop did not take (a GradScaler's overflow), on worker 0
+            "steps_skipped_by_the_loop": everyone[0].get("steps_skipped_by_the_loop", 0),
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
+            "replica_divergence": final.get("divergence"),
+            "worker_test_accuracy": (
+                [(p.get("own_metrics") or {}).get("accuracy") for p in trainers] if differ else None
+            ),
+            "evaluations": evals,
+            "config": config.as_used(self.loop_is_fast),
+            "env": environment(),
+            "step_compute_s": compute_s,
+            "step_compute_spread": sum(spreads) / len(spreads) if spreads else None,
+            "server_request_s": sum(requests) / len(requests) if requests else None,
+            "eval_time_s": self._eval_time_s(),
+            "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
+            "predicted_step_time_s": self._predicted_step_time(compute_s),
+        }
+        if self.elastic:
+            summary["membership"] = self.membership
+            summary["workers_at_end"] = self.workers
+            # (the first generation's are the founders' first weights, not a catch-up)
+            summary["catch_up_bytes"] = sum(event["catch_up_bytes"] for event in self.membership[1:])
+        for name in metric_names:
+            if name not in ("accuracy", "loss"):
+                summary[f"final_test_{name}"] = final.get(f"test_{name}")
+                summary[f"best_test_{name}"] = best(name, [e[f"test_{name}"] for e in evals if f"test_{name}" in e])
+        if emulated(config):
+            summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
+        if self.simulated:
+            from fast.emulation.wire import host_figures
+
+            summary["simulation"] = host_figures()
+        for p in everyone:  # strategy figures (a server's included); worker 0's come last and win
+            if p["rank"]:
+                summary.update(p["strategy"])
+        summary.update(everyone[0]["strategy"])
+        return summary

@@ -1,0 +1,616 @@
+"""`fast.init` and the `Job` it returns: the handle through which a training loop becomes a FAST run.
+
+    job = fast.init("job.toml", strategy__name="gossip")      # joins the run (servers serve and exit here)
+    model, optimizer = job.prepare(model, optimizer)          # the user's own objects, with the strategy hooked in
+    loader = job.loader(train_set, batch_size=64)              # this worker's shard
+    for epoch in job.epochs(3):
+        for x, y in loader:
+            loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+            job.log(loss=loss)
+        job.evaluate(eval_fn)                                  # eval_fn(model) -> {"accuracy": ...}
+    summary = job.finish()                                     # outputs written; the summary on worker 0
+
+Started by `fast run` or torchrun, the process joins the run those launched; started alone, it is a run of one
+worker. Rank 0 writes the run folder; every process streams its own metrics to it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fast.assemble import load_config, world_size
+from fast.comm import Comm, tags, timeline
+from fast.comm import bootstrap as engine
+from fast.comm.patience import PatientGroup
+from fast.comm.shared_memory import LocalSums
+from fast.config import Config
+from fast.emulation.deployment import comm_maker, machine_for, network_for
+from fast.emulation.simulated_comm import world as simulated_world
+from fast.emulation.wire import place
+from fast.errors import ConfigError, FastError, UsageError
+from fast.factories import add_search_path
+from fast.optim import build_schedule
+from fast.runtime import control, files
+from fast.runtime.checkpoints import Checkpointing
+from fast.runtime.clock import Clock
+from fast.runtime.control import Control
+from fast.runtime.ending import Ending
+from fast.runtime.evaluation import Evaluating
+from fast.runtime.launch import name_process
+from fast.runtime.lifeline import LAUNCHER_VARIABLE
+from fast.runtime.live import Live
+from fast.runtime.loader import ShardedLoader
+from fast.runtime.records import Records
+from fast.runtime.run_folder import claim, new_folder, release
+from fast.runtime.steps import StepDriver
+from fast.strategies import Strategy, StrategyContext, build_strategy
+from fast.strategies.base import ModelLayout
+
+LAYOUT_TAG = tags.LAYOUT
+MAX_STEPS_BETWEEN_CHECKS = 10_000
+_current: ContextVar[Job | None] = ContextVar("job", default=None)  # the process's (each simulated one's) job
+FAST_LOOP: ContextVar[bool] = ContextVar("fast_loop", default=False)  # set by FAST's own loop (fast train)
+
+
+def current() -> Job:
+    """The job `fast.init` started in this process; FastError when there is none."""
+    job = _current.get()
+    if job is None:
+        raise UsageError("fast.init() has not been called in this process: start with job = fast.init(...)")
+    return job
+
+
+def unfinished() -> Job | None:
+    """The job of this process if it was prepared and not finished yet."""
+    job = _current.get()
+    return job if job is not None and not job.finished and job.model is not None else None
+
+
+def default_run_dir(config: Config) -> Path:
+    """runs/NAME-TIME, made now and no other run's (see run_folder); under torchrun, runs/NAME-RUN_ID, the same on
+    every rank."""
+    if engine.under_torchrun():
+        return Path("runs") / f"{config.run.name}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
+    return new_folder(Path("runs"), config.run.name)
+
+
+def resolve_config(config: Any = None, **overrides: Any) -> Config:
+    """The run's config: the script's (`config` and `overrides`), with what `fast run` was given on top (its
+    --config replaces the script's, its --set keys win)."""
+    if isinstance(config, Config) and not overrides and "FAST_CONFIG" not in os.environ:
+        return config
+    source = os.environ.get("FAST_CONFIG") or config
+    launcher = json.loads(os.environ.get("FAST_OVERRIDES", "{}"))
+    if isinstance(source, str | Path) and Path(source).is_file():
+        add_search_path(str(Path(source).resolve().parent))
+    return load_config(source, **{**overrides, **{k.replace(".", "__"): v for k, v in launcher.items()}})
+
+
+def init(
+    config: Any = None, *, out: str | Path | None = None, resume: str | Path | bool | None = None, **overrides: Any
+) -> Job:
+    """Join the run and return its Job. `config`: a TOML path, a dict, a Config or None (the defaults), with
+    dotted overrides (`strategy__name="gossip"`). `out` is the run folder; `resume` (a run folder, or True for
+    `out`) continues it from its last checkpoint. A server process (async-ps, async easgd, ea-wild) serves here
+    until the workers are done, then exits: it never returns."""
+    existing = _current.get()
+    if existing is not None and not existing.finished:
+        raise UsageError("fast.init() was already called in this process: use the job it returned")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:  # restarted by the agent
+        resume = True
+    if resume is True:
+        out = out or os.environ.get("FAST_RUN_DIR")
+        if out is None:
+            raise ConfigError("fast.init(resume=True) needs the run folder: give out=... or resume=FOLDER")
+    resume_dir = os.environ.get("FAST_RESUME") or (str(out) if resume is True else resume)
+    if resume_dir and config is None and not os.environ.get("FAST_CONFIG"):
+        config = Path(resume_dir) / "config.toml"
+        if not config.is_file():
+            raise ConfigError(f"resume {resume_dir}: no config.toml there; give the folder of an earlier run")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise UsageError("fast.init: the default process group is already initialised (the script's "
+                         "init_process_group): remove that call and its destroy_process_group; fast.init forms the "
+                         "group itself, and job.finish() ends it")  # fmt: skip
+    config = resolve_config(config, **overrides)
+    alone = place() is None and not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
+    if not alone and place() is None and LAUNCHER_VARIABLE not in os.environ:
+        config = _torchrun_world(config)
+    if alone:
+        config = _alone(config)
+    run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or
+                   (new_folder(Path("runs"), config.run.name) if alone else default_run_dir(config)))  # fmt: skip
+    if alone:  # no launcher holds the folder for this run: the script itself does
+        claim(run_dir)
+    job = Job(config, run_dir, resume=bool(resume_dir), alone=alone)
+    _current.set(job)
+    if job.is_server:
+        job._serve()  # never returns
+    return job
+
+
+def _torchrun_world(config: Config) -> Config:
+    """Started by torchrun: the world is torchrun's (run.workers follows it), unless the config sets another."""
+    started, needed = int(os.environ["WORLD_SIZE"]), world_size(config)
+    if started == needed:
+        return config
+    servers = needed - config.run.workers
+    if "workers" in config.run.model_fields_set or started <= servers:
+        raise ConfigError(
+            f"torchrun started {started} processes but the config's run.workers = {config.run.workers} needs "
+            f"{needed}{f' (with {servers} servers)' if servers else ''}: leave run.workers out to take torchrun's "
+            f"world, or start {needed} (--nproc-per-node/--nnodes)"
+        )
+    return load_config(config, run__workers=started - servers)
+
+
+def _alone(config: Config) -> Config:
+    """Started without a launcher: a run of one worker (with a note when the config asked for more)."""
+    if world_size(config) > config.run.workers:
+        raise ConfigError(
+            f"strategy {config.strategy.name!r} needs server processes: start the script with "
+            f"`fast run --workers {config.run.workers} SCRIPT` (or torchrun)"
+        )
+    if config.run.workers > 1:
+        if "workers" in config.run.model_fields_set:  # (the default's 4 says nothing of the user's intent)
+            print(f"fast: not started by `fast run` or torchrun: training as 1 worker (for {config.run.workers}: "
+                  f"fast run --workers {config.run.workers} SCRIPT)", file=sys.stderr)  # fmt: skip
+        config = load_config(config, run__workers=1)
+    folder = tempfile.mkdtemp(prefix="fast-alone-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    os.environ["FAST_STORE_FILE"] = str(Path(folder) / "store")
+    return config
+
+
+def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool) -> None:
+    """The run folder with config.toml (what the run uses: see Config.as_used); a fresh run in a used folder
+    starts clean (rank 0, before the others)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
+            stale.unlink(missing_ok=True)
+    files.write_text(run_dir / "config.toml", config.as_used_toml(fast_loop))
+
+
+class Job(Evaluating, Checkpointing, Ending, Live):
+    """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
+
+    def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
+        self.config, self.run_dir, self.resuming, self.alone = config, run_dir, resume, alone
+        self.loop_is_fast = FAST_LOOP.get()  # FAST's own loop (fast train), not the user's
+        where = place()
+        self.simulated = where is not None
+        self.rank, self.world_size = where or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        run = config.run
+        self.workers = run.workers
+        # live membership: the rank is the member's id for the run's life, its place in a group changes
+        self.elastic = run.elastic
+        if self.elastic and not self.simulated and "FAST_MEMBERSHIP" not in os.environ:
+            raise ConfigError("run.elastic: start the run with `fast train` or `fast run`, whose launcher keeps its "
+                              "membership (not torchrun, nor the script alone)")  # fmt: skip
+        if self.elastic:
+            self.rank = self.rank if self.simulated else int(os.environ.get("FAST_MEMBER_ID", self.rank))
+            self.world_size = world_size(config)
+        expected = world_size(config)
+        if self.world_size != expected:
+            raise ConfigError(
+                f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
+                "strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes (torchrun) to match"
+            )
+        self.is_server = not self.elastic and self.rank >= self.workers
+        self.is_worker = not self.is_server
+        self.is_main = self.rank == 0
+        self.finished = False
+        strategy_name = config.strategy.name
+        role = f"server {self.rank - self.workers + 1}/{self.world_size - self.workers}" if self.is_server else (
+            f"worker {self.rank}/{self.workers}")  # fmt: skip
+        self.role = role
+        self.timeline = timeline.start(self.rank, keep_events=run.trace)
+        if not self.simulated:  # simulated processes share this one's threads, one at a time
+            name_process(f"fast {role} {strategy_name} ({run.name})")
+            torch.set_num_threads(run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size))
+        if self.is_main:
+            prepare_run_dir(config, run_dir, resume, self.loop_is_fast)
+        self.device = engine.device_for(run.device)
+        if self.elastic:
+            self._start_membership()  # the world, its group and the control group, from the newest generation
+        self.world: Comm = (
+            self.world
+            if self.elastic
+            else simulated_world(self.rank, self.device, run.deadline_s)
+            if self.simulated
+            else engine.start(
+                self.rank,
+                self.world_size,
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                self.device,
+                run.deadline_s,
+                comm_maker(network_for(config, self.world_size, self.rank)),
+            )
+        )
+        partition = [list(range(self.workers))]
+        if self.world_size > self.workers:  # workers and servers each get a group of their own
+            partition.append(list(range(self.workers, self.world_size)))
+        self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
+        run_shared_memory = run.shared_memory and not self.elastic
+        if run_shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
+            for comm in self._own_groups():
+                comm.local_sums = LocalSums(comm)  # made lazily: a sum's memory at the first all-reduce of its size
+        self.records = Records(run_dir, self.rank, run.tensorboard)
+        # emulated (or simulated) slowdown, stragglers, crash
+        self.machine = machine_for(config, self.rank, self.records.file, simulated=self.simulated)
+        self.context = StrategyContext(
+            comm=self.comm,
+            world=self.world,
+            config=config,
+            device=self.device,
+            workers=self.workers,
+            rank=self.rank,
+            generator=torch.Generator().manual_seed(run.seed * 7919 + self.rank),
+            steps_per_epoch=1,
+            save_checkpoint=self._save_server_checkpoint if self.is_server else None,
+            serving=self.machine.serving,
+        )
+        self.strategy: Strategy = build_strategy(config, self.context)
+        point_to_point = self.strategy.survives_failures and not self.elastic  # (membership re-forms the group)
+        if not self.elastic:
+            self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
+        # the end of a run that survives failures: a line on which waiting for a silent process breaks nothing
+        self.ending_line = PatientGroup(self.world) if point_to_point else None
+        if not self.simulated and not self.elastic:
+            # new_group returns on one rank before its peers have connected: a process that ended right after
+            # init would break their connecting, so no process leaves init before all are connected
+            self.world.barrier()
+        self.driver = StepDriver(
+            self.strategy,
+            self.machine,
+            self._step_done,
+            clip_norm=config.optimizer.clip_norm,
+            autocast=self._autocast_factory(),
+        )
+        self.driver.on_begin = self._step_begins
+        if self.elastic:
+            self.driver.on_failure = self._step_failed
+        self._schedule_state: dict[str, Any] | None = None
+        self._checkpoint_due = False
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.schedule: Any = None
+        self.clock = Clock()
+        self.trained_s = 0.0
+        self.steps_per_epoch: int | None = None
+        self.batch_size = run.batch_size
+        self.planned_epochs: float | None = None
+        self.total_steps: int | None = run.max_steps
+        self.loaders: list[ShardedLoader] = []
+        self.loader_position: tuple[int, int] | None = None
+        self.skipped_steps, self.bad_in_a_row = 0, 0
+        self._stopping = False
+        self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
+        self._ran_out_at: int | None = None  # the step this worker's loop ended at, before any empty step
+        self._last_step_of_all = 0  # the last step any worker took with data, as of the last check
+        self._checked_at = -1  # the step of the last check
+        self._pace_from = (0, 0.0)  # (step, training time) of the last check, or of the start
+        self._next_check = 1  # the step after which the workers check next: the first, then as they agree
+        self._owed: int | None = None  # a check due after this step, not taken yet
+        self._losses: list[torch.Tensor] = []
+        self._values: dict[str, list[float]] = {}
+        self._recorded_at = -1
+        self._eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
+        self._checked_targets = False
+        # worker 0's evaluations, each the time its eval function took: during the run, and the final one(s)
+        self.eval_seconds: list[float] = []
+        self.final_eval_seconds: list[float] = []
+
+    # -- who -------------------------------------------------------------------------------------------------------
+    def _own_groups(self) -> list[Comm]:
+        """The world and, when it is another, this process's group in it (workers or servers)."""
+        return [self.world] if self.comm is self.world else [self.world, self.comm]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps this worker has done."""
+        return self.driver.step
+
+    @property
+    def epoch(self) -> float:
+        return self.step / self.steps_per_epoch if self.steps_per_epoch else 0.0
+
+    @property
+    def stopped(self) -> bool:
+        """Training is over: the planned steps are done, or run.max_steps, or run.max_time (agreed)."""
+        return self._stopping or (self.total_steps is not None and self.step >= self.total_steps)
+
+    should_stop = stopped
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the workers move in step (every worker's collectives need every other worker)."""
+        return not self.strategy.stops_alone
+
+    # -- the model and optimizer ----------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Hook the strategy into the user's model and optimizer (which are returned, the same objects): every
+        replica starts from worker 0's weights, and a resumed run from its checkpoint. Collective."""
+        if self.model is not None:
+            raise UsageError("job.prepare() was already called: a job trains one model with one optimizer")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"job.prepare: the model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            kind = type(optimizer).__name__
+            raise UsageError(f"job.prepare: the optimizer must be a torch.optim.Optimizer, got {kind}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise UsageError("job.prepare: the model is wrapped in DistributedDataParallel, which would average its "
+                             "gradients a second time: give prepare the module itself (drop DDP(...), or pass "
+                             "model.module)")  # fmt: skip
+        model.to(self.device)
+        self.model, self.optimizer = model, optimizer
+        if self.world_size > self.workers and self.is_main:
+            layout = ModelLayout.of(model)
+            with self.world.unmetered():
+                for server in range(self.workers, self.world_size):
+                    self.world.send(torch.tensor([layout.parameters, layout.state]), server, tag=LAYOUT_TAG)
+        if self.elastic:
+            self._set_up_live(lambda: self.strategy.setup(model, optimizer))
+        else:
+            self.strategy.setup(model, optimizer)
+        self.driver.attach(model, optimizer)
+        offset = self._restore() if self.resuming else 0.0
+        if self.elastic:  # the common start: every member from member 0's state
+            self._first_heal()
+        else:
+            self.world.barrier()  # the common start, servers included
+        self.machine.start(self.world)
+        self.clock = Clock(offset, self.timeline)
+        self.timeline.count_from_now()
+        self.trained_s = offset
+        self._pace_from = (self.step, offset)  # the workers' pace, for the next check, is timed from here
+        return model, optimizer
+
+    def validate_with(self, score: Callable[[nn.Module], float]) -> None:
+        """The score of a replica for `final_model = "best"` (higher is better), e.g. validation accuracy."""
+        self.context.score = score
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside only accumulate gradients (gradient accumulation); the strategy communicates at
+        the first backward outside. The prepared model's `no_sync()` and `require_backward_grad_sync = False`
+        (DDP's) do the same."""
+        return self.driver.no_sync()
+
+    def _autocast_factory(self) -> Callable[[], Any] | None:
+        if self.config.run.precision != "bf16":
+            return None
+        return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's precision for code outside the model's forward (the loss, say): bf16 autocast or nothing."""
+        factory = self._autocast_factory()
+        return factory() if factory is not None else contextlib.nullcontext()
+
+    # -- data -------------------------------------------------------------------------------------------------------
+    def loader(self, dataset: Any, batch_size: int | None = None, *, shuffle: bool = True, **options: Any) -> Any:
+        """This worker's shard of `dataset` (any map-style Dataset, or an IterableDataset), batch by batch on
+        the job's device; each pass is the next epoch. Options: labels= (dirichlet), num_workers=, collate_fn=."""
+        return ShardedLoader(self, dataset, batch_size or self.config.run.batch_size, shuffle=shuffle, **options)
+
+    def _loader_created(self, loader: ShardedLoader) -> None:
+        if loader.steps_per_epoch and self.steps_per_epoch is None:
+            self.steps_per_epoch = max(1, loader.steps_per_epoch // self.config.run.accumulate)
+            self.context.steps_per_epoch = self.steps_per_epoch
+            self.batch_size = loader.batch_size * self.config.run.accumulate
+            if self.planned_epochs is not None:
+                self._plan(self.planned_epochs)
+        self.loaders.append(loader)
+
+    def epochs(self, count: float | None = None) -> Iterator[int]:
+        """The epochs to run, from where a resumed run stopped: `count` (default run.epochs; may be fractional,
+        the last one cut short) unless run.max_steps or run.max_time ends training first."""
+        count = self.config.run.epochs if count is None else count
+        self._plan(count)
+        if self.elastic:  # the passes of the data cursor, which a joiner takes up where the run stands
+            while self.data_epoch < math.ceil(count) and not self.stopped:
+                yield self.data_epoch
+            return
+        first = self.step // self.steps_per_epoch if self.steps_per_epoch else 0
+        for epoch in range(first, math.ceil(count)):
+            if self.stopped:
+                return
+            yield epoch
+
+    def _plan(self, epochs: float) -> None:
+        self.planned_epochs = epochs
+        if self.steps_per_epoch is None:
+            return
+        total = math.ceil(epochs * self.steps_per_epoch)
+        self.total_steps = min(total, self.config.run.max_steps or total)
+        self.records.show_progress(self.config.run.name, self.total_steps, self.steps_per_epoch,
+                                   self.batch_size * self.workers)  # fmt: skip
+
+    def _all_have(self, has_batch: bool) -> bool:
+        """Whether every worker has a next batch of its stream (workers in step only; the others go on alone)."""
+        if not self.lockstep:
+            return has_batch
+        self._settle()
+        if self.stopped:
+            return False
+        answer = self.control.round(control.BATCH, self.step, [int(has_batch)], self.strategy.dead, self._lost)
+        if not answer.all(0):
+            self._stopping, self._ended_at = True, self.step  # one stream is dry: every worker ends here
+        return answer.all(0)
+
+    # -- each step --------------------------------------------------------------------------------------------------
+    def _step_begins(self) -> None:
+        """Before each step's forward: the checkpoint the last step asked for, and (first step) the schedule, now
+        that the run's length may be known."""
+        self._flush_checkpoint()
+        self._settle()
+        if self.elastic:
+            self._membership_boundary()
+        if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
+            self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
+            if self._schedule_state:
+                self.schedule.load_state_dict(self._schedule_state)
+
+    def _step_done(self, bad: bool) -> None:
+        """After each optimizer step: bad-step accounting, the schedule, time, stopping, checkpoints."""
+        if bad:
+            self._bad_step()
+        else:
+            self.bad_in_a_row = 0
+        if self.schedule is not None:
+            self.schedule.step()
+        done = self.step
+        self.trained_s = self.clock.now()
+        if self.elastic:  # the step is taken: the data cursor moves past the batches of every member
+            self.data_cursor += self.workers * self.batch_size
+        elif self.lockstep and self._check_due(done):
+            self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
+        elif self.strategy.stops_alone and self.config.run.max_time_s is not None:
+            self._stopping = self._stopping or self.trained_s >= self.config.run.max_time_s
+        checkpoints = self.config.run.checkpoint_every
+        # written once the step is logged (job.log), or before the next step: so that it holds the step's record
+        self._checkpoint_due = bool(checkpoints and done % checkpoints == 0 and not self.stopped)
+
+    def _check_due(self, step: int) -> bool:
+        """Whether the workers in step check together after `step`: at the step they agreed on at the last check
+        (the first step, for the first), at each epoch's end and at the planned last step (the same steps on every
+        worker)."""
+        spe = self.steps_per_epoch
+        return step >= self._next_check or bool(spe and step % spe == 0) or step == self.total_steps
+
+    def _steps_to_next_check(self) -> int:
+        """This worker's proposal for the next check: the steps it takes about `run.check_interval` at its pace
+        since the last check, and no more than it takes to reach `run.max_time`."""
+        run = self.config.run
+        interval = run.check_interval_s
+        if run.max_time_s is not None:
+            interval = min(interval, run.max_time_s - self.trained_s)
+        step, seconds = self._pace_from
+        per_step = (self.trained_s - seconds) / max(1, self.step - step)
+        return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(interval / per_step))) if per_step > 0 else 1
+
+    def _settle(self, finishing: bool = False) -> None:
+        """Take the check owed at this step, now that this worker knows whether it goes on (`finishing`: no)."""
+        if self._owed == self.step:
+            self._owed = None
+            self._agree(done=finishing or self.stopped)
+
+    def _agree(self, done: bool) -> None:
+        """The workers' periodic check: has the time run out, will every worker stop here (`done`: this one will)?
+        Either way the workers end here, together (`_ended_at`). They also agree on the next check: the soonest
+        any of them proposes."""
+        self._checked_at = self.step
+        limit = self.config.run.max_time_s
+        out_of_time = limit is not None and self.trained_s >= limit
+        ran_out_at = self._ran_out_at if self._ran_out_at is not None else -1
+        flags = [int(out_of_time), int(done), self._steps_to_next_check(), ran_out_at]
+        answer = self.control.round(control.STOP, self.step, flags, self.strategy.dead, self._lost)
+        self._pace_from = (self.step, self.trained_s)
+        self._next_check = self.step + min(f[2] for f in answer.flags)
+        self._last_step_of_all = max(f[3] if f[3] >= 0 else self.step for f in answer.flags)
+        if answer.any(0):
+            self._stopping = True
+        if answer.any(0) or answer.all(1):
+            self._ended_at = self.step
+
+    def _lost(self, rank: int, how: str) -> None:
+        self.strategy.lost(rank, self.step, how)
+
+    def _bad_step(self) -> None:
+        self.skipped_steps += 1
+        self.bad_in_a_row += 1
+        limit = self.config.run.max_bad_steps
+        if self.bad_in_a_row >= limit:
+            fix = ("lower optimizer.lr or check the data and the step function" if self.loop_is_fast else
+                   "lower your optimizer's learning rate or check the data and the loss (a GradScaler would skip "
+                   "such steps and back off)")  # fmt: skip
+            raise FastError(f"worker {self.rank}: NaN or Inf in the loss or gradients for {limit} steps in a row "
+                            f"(run.max_bad_steps): {fix}")  # fmt: skip
+
+    # -- metrics -----------------------------------------------------------------------------------------------------
+    def log(self, loss: Any = None, **values: Any) -> None:
+        """Record the step's loss (and any other numbers); a record is written every run.log_every steps."""
+        if loss is not None:
+            self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        for key, value in values.items():
+            self._values.setdefault(key, []).append(float(value))
+        if self.step % self.config.run.log_every == 0 and self.step != self._recorded_at and self.step > 0:
+            self._record()
+        self._flush_checkpoint()
+
+    def _flush_checkpoint(self) -> None:
+        if self._checkpoint_due:
+            self._checkpoint_due = False
+            self._checkpoint()
+
+    def _record(self, kind: str | None = None, **extra: Any) -> None:
+        """A metric record: the training losses logged since the last one, or (kind="eval") an evaluation's."""
+        step = self.step
+        record: dict[str, Any] = {
+            "worker": self.rank,
+            "step": step,
+            "epoch": round(self.epoch, 4),
+            "time_s": round(self.clock.now(), 4),
+            "samples": step * self.batch_size,
+            "bytes_sent": self.world.counter.bytes_sent,
+            "bytes_received": self.world.counter.bytes_received,
+        }
+        if self.optimizer is not None:
+            record["lr"] = self.optimizer.param_groups[0]["lr"]
+        if kind is None:
+            losses = [loss.float().reshape(()) for loss in self._losses]
+            finite = [loss for loss in losses if torch.isfinite(loss)]
+            if finite:
+                record["loss"] = float(torch.stack(finite).mean())
+            record.update({k: sum(v) / len(v) for k, v in self._values.items() if v})
+            self._losses, self._values = [], {}
+            self._recorded_at = step
+        else:
+            record["kind"] = kind
+        record.update(extra)
+        self.records.add(record)
+
+    # -- the process's end -------------------------------------------------------------------------------------------
+    def _close(self) -> None:
+        self.finished = True
+        if self.elastic:
+            self._close_membership()
+        self.driver.detach()
+        self.records.close()
+        if not self.simulated:
+            engine.stop()
+        if self.alone:
+            release(self.run_dir)
+        if _current.get() is self:
+            _current.set(None)
+
+    def _serve(self) -> None:
+        """A server process: its strategy's loop until the workers are done, its part of the end, then exit."""
+        layout = torch.zeros(2, dtype=torch.int64)
+        with self.world.unmetered():
+            self.world.recv(layout, 0, tag=LAYOUT_TAG)  # when worker 0 prepares its model
+        self.strategy.setup_server(ModelLayout(int(layout[0]), int(layout[1])))
+        if self.resuming:
+            self._restore()
+        self.world.barrier()
+        self.machine.start(self.world)
+        self.clock = Clock()
+        self.strategy.serve()
+        self._finish_server()
+        self._close()
+        raise SystemExit(0)

@@ -1,0 +1,309 @@
+"""A worker's part in live membership (`run.elastic`): it forms each generation's group, switches at its strategy's
+change points, survives a step a lost peer broke, and heals from a live peer (a part of fast.runtime.job.Job).
+
+Before each step (in the loader, before its batch is chosen, or at the step's first forward) the members take one
+round together: member 0 reads whether the coordinator (fast.runtime.membership) has published a newer generation,
+and every member learns it at the same step. They then leave their group, form the new one, and heal: member 0,
+the oldest member, sends its whole state (weights, optimizer, step, schedule, data position, strategy state) to
+each joiner and to each member whose step is not its own, never through a file. A step whose collective fails (a
+peer died in it) is discarded on every survivor: no update is applied, the data cursor does not move, and the step
+is taken again over the new group, so no sample is lost or seen twice.
+
+The data of an elastic run is one cursor through each epoch's order, the same on every member: at each step the
+member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import signal
+from typing import Any
+
+import torch
+
+from fast.comm import bootstrap as engine
+from fast.comm import timing
+from fast.emulation.deployment import comm_maker, network_for
+from fast.errors import CommError, FastError
+from fast.runtime import control
+from fast.runtime.control import Control
+from fast.runtime.membership import FORM_S, Generation, Member, RunEnded
+from fast.runtime.simulated_membership import simulated_member
+
+
+def fingerprint(state: dict[str, Any]) -> str:
+    """A hash of every tensor of a model's and an optimizer's state, in order: equal exactly when they are."""
+    digest = hashlib.sha256()
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                digest.update(str(key).encode())
+                add(value[key])
+        elif isinstance(value, list | tuple):
+            for item in value:
+                add(item)
+        else:
+            digest.update(repr(value).encode())
+
+    add(state)
+    return digest.hexdigest()[:16]
+
+
+class Live:
+    """The live-membership part of a Job (only used when `run.elastic`)."""
+
+    def _start_membership(self) -> None:
+        """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
+        deadline_s = self.config.run.deadline_s
+        if self.simulated:
+            self.member = simulated_member(self.rank, deadline_s)
+            self.joining = self.member.joining
+        else:
+            self.member = Member(os.environ["FAST_MEMBERSHIP"], self.rank, deadline_s)
+            self.joining = os.environ.get("FAST_JOINING") == "1"
+        self.generation: Generation | None = None
+        self.membership: list[dict[str, Any]] = []  # member 0's record of each change (summary.json)
+        self._boundary_at = -1  # the step whose membership round is done
+        self._closed = False  # (worker 0) closed to joiners
+        self.data_epoch, self.data_cursor = 0, 0
+        if self.joining:
+            self.member.ready()
+        self._connect_newest(dropped_if_absent=False)
+        if not self.simulated:
+            signal.signal(signal.SIGTERM, self._leave_on_sigterm)
+
+    def _leave_on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM: say so to the coordinator and go; the others re-form at once, without waiting for a deadline."""
+        self.member.leave("left (SIGTERM)")
+        self.records.close()
+        os._exit(0)
+
+    def _connect_newest(self, dropped_if_absent: bool = True) -> None:
+        """Form the group of the newest generation this member is in (retrying while generations change)."""
+        after = -1 if self.generation is None else self.generation.number
+        while True:
+            self._close_if_ending()
+            newest = self.member.newest()
+            if newest > after:
+                generation = self.member.generation(newest)
+            else:
+                generation = self.member.wait_for(after)
+            if generation.failed:
+                raise RunEnded(generation.failed)
+            if self.rank not in generation.members:
+                if dropped_if_absent:
+                    raise FastError(f"worker {self.rank} was dropped from the run's membership (its peers found it "
+                                    "gone): join it again with fast join")  # fmt: skip
+                generation = self.member.wait_for(newest, including=self.rank)
+            after = generation.number
+            if not self.member.arrive(generation):
+                continue
+            try:
+                self._form(generation)
+                return
+            except CommError:
+                self.member.suspect(generation.number)
+
+    def _close_if_ending(self) -> None:
+        """Worker 0, its run.max_time spent (or `fast stop` asked) while the members re-form (churn faster than they
+        can take it): no more joiners nor churn, so that a last generation forms and the run ends at its boundary."""
+        if not self.is_main or self._closed:
+            return
+        limit, clock = self.config.run.max_time_s, getattr(self, "clock", None)
+        if (limit is not None and clock is not None and clock.now() >= limit) or self.member.stopping():
+            self.member.close_to_joiners()
+            self._closed = True
+
+    def _form(self, generation: Generation) -> None:
+        """Leave the old group and form `generation`'s: the world, the control group, the strategy's groups."""
+        counter = self.world.counter if getattr(self, "world", None) is not None else None
+        engine.abort()  # what is left of a group formed before, or half formed
+        n, rank = len(generation.members), generation.members.index(self.rank)
+        # emulated links, the same between any two members (a simulated group's are on the simulation's wire)
+        network = None if self.simulated else network_for(self.config, n, rank)
+        self.generation = generation
+        try:
+            world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
+                                     comm_maker(network))  # fmt: skip
+            world.interrupted, world.connect_s = self._superseded, FORM_S
+            control = world.subgroups([world.ranks], gloo=True)
+        except RuntimeError as e:  # a member went between arriving and forming (the store's wait gave up)
+            raise CommError(f"forming generation {generation.number}: {str(e).splitlines()[0]}") from None
+        if network is not None:
+            network.start_clock()
+        self.world = self.comm = world
+        self.world_size = self.workers = n
+        self.control = Control(control, rank, False, self.config.strategy.name)
+        world.barrier()
+        self._boundary_at = -1
+        context = getattr(self, "context", None)
+        if context is not None:
+            context.comm = context.world = world
+            context.workers = n
+            self.strategy.comm = self.strategy.world = world
+            if getattr(self.strategy, "model", None) is not None:
+                self.strategy.regroup()
+
+    def _superseded(self) -> str | None:
+        """Why a wait in this generation's group should give up: the coordinator has published a newer one (a peer
+        is gone, or one of them found a collective broken), which the members re-form without waiting any longer."""
+        newest = self.member.newest()
+        return f"the membership changed (generation {newest})" if newest > self.generation.number else None
+
+    # -- at each step ----------------------------------------------------------------------------------------------
+    def _membership_boundary(self) -> None:
+        """The members' round before a step: switch to a newer generation, all at this step (and heal)."""
+        if self._boundary_at == self.step or not self.strategy.change_point(self.step):
+            return
+        while True:
+            limit = self.config.run.max_time_s
+            first = self.world.index() == 0
+            newer = int(first and self.member.newest() > self.generation.number)
+            ending = int((limit is not None and self.trained_s >= limit) or (first and self.member.stopping()))
+            try:
+                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending], set())
+            except CommError:
+                self._regroup(failed=True)
+                continue
+            if answer.any(1):
+                self._stopping = True
+            if not answer.any(0):
+                self._boundary_at = self.step
+                return
+            self._regroup(failed=False)
+
+    def _set_up_live(self, set_up: Any) -> None:
+        """Set the strategy up over the first group (`set_up`); if a member went meanwhile (a group of the setup
+        did not form), re-form without it (which re-makes the strategy's groups: the setup has set its model)."""
+        try:
+            set_up()
+        except CommError:
+            self._regroup(failed=True, heal=False)
+
+    def _first_heal(self) -> None:
+        """Every member from member 0's state: a founder its first weights, a joiner all of it."""
+        try:
+            self._heal(fresh=True)
+        except CommError:
+            self._regroup(failed=True, fresh=True)
+
+    def _step_failed(self) -> None:
+        """A collective of this step failed: the step is discarded here and on every survivor; re-form and heal."""
+        self._regroup(failed=True)
+
+    def _regroup(self, failed: bool, fresh: bool = False, heal: bool = True) -> None:
+        if failed:
+            self.member.suspect(self.generation.number)
+        engine.abort()  # a peer still waiting in a collective of the old group fails now
+        self.strategy.abandon()
+        while True:
+            self._connect_newest()
+            if not heal:
+                return
+            try:
+                self._heal(fresh=fresh)
+                return
+            except CommError:
+                self.member.suspect(self.generation.number)
+
+    # -- healing ---------------------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        schedule = self.schedule.state_dict() if self.schedule is not None else self._schedule_state
+        return {
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "data": [self.data_epoch, self.data_cursor],
+            "schedule": schedule,
+            "strategy": self.strategy.state_dict(),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.driver.step = state["step"]
+        self.data_epoch, self.data_cursor = state["data"]
+        if self.schedule is not None and state["schedule"] is not None:
+            self.schedule.load_state_dict(state["schedule"])
+        self._schedule_state = state["schedule"]
+        self.strategy.load_state_dict(state["strategy"])
+
+    def _model_state(self) -> dict[str, Any]:
+        """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "strategy": self.strategy.shared_state()}  # fmt: skip
+
+    def _heal(self, fresh: bool) -> None:
+        """Collective over the new group: each member that is new (`fresh`) or whose step or shared state differs
+        from member 0's is sent a whole state by one that is not: the first by member 0, the next by the next such
+        member, and so on, so that several catch-ups go at once, from as many live peers (summary `membership`:
+        the catch-ups' bytes and seconds)."""
+        world, started, me = self.world, timing.now(), self.world.index()
+        shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
+        with world.unmetered():
+            rows = world.all_gather(torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
+        first = rows[0]
+        behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or not torch.equal(row[1::2], first[1::2]))]
+        sources = [i for i in range(len(rows)) if i not in behind]
+        source_of = {member: sources[j % len(sources)] for j, member in enumerate(behind)}
+        sent = 0
+        # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
+        # later catch-up is real traffic that churn costs (over emulated links, it takes their time)
+        metered = world.unmetered() if self.generation.number == 0 else contextlib.nullcontext()
+        mine = [member for member, source in source_of.items() if source == me]
+        if mine:
+            buffer = io.BytesIO()
+            torch.save({**self._state(), "fingerprint": fingerprint(self._model_state())}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            with metered:
+                for member in mine:
+                    world.send_bytes(payload, world.ranks[member])
+            sent = payload.numel() * len(mine)
+        elif me in source_of:
+            with metered:
+                _, payload = world.recv_bytes(world.ranks[source_of[me]])
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            self._load_state(state)
+            if self.generation.number:  # (generation 0: the founders' first weights)
+                self.records.add({"worker": self.rank, "kind": "healed", "step": self.step,
+                                  "time_s": round(self.clock.now(), 4), "from": int(rows[source_of[me]][0]),
+                                  "generation": self.generation.number, "fingerprint": fingerprint(self._model_state()),
+                                  "source_fingerprint": state["fingerprint"]})  # fmt: skip
+        if behind:  # every catch-up is done: what each source sent
+            with world.unmetered():
+                sent = int(sum(world.all_gather(torch.tensor([sent], dtype=torch.int64))))
+        if me == 0 and self.is_main:
+            generation = self.generation
+            founders = {"generation": -1, "members": self.member.generation(0).members}
+            before = self.membership[-1] if self.membership else founders
+            # what changed since the last generation that formed (those in between were superseded)
+            skipped = [self.member.generation(n) for n in range(before["generation"] + 1, generation.number + 1)]
+            gone = [m for m in before["members"] if m not in generation.members]
+            self.membership.append({
+                "generation": generation.number,
+                "step": self.step,
+                "unix_time": timing.wall(),
+                "members": generation.members,
+                "joined": [m for m in generation.members if m not in before["members"]],
+                "left": [entry for g in skipped for entry in g.left if entry["member"] in gone],
+                "healed": [int(rows[i][0]) for i in behind],
+                "healed_from": [int(rows[source_of[i]][0]) for i in behind],
+                "catch_up_bytes": sent,
+                "catch_up_s": round(timing.now() - started, 4),
+            })  # fmt: skip
+        if fresh:
+            self._boundary_at = -1
+
+    def _membership_ends(self) -> None:
+        """The run is ending: member 0 closes the membership to joiners; every member stops its heartbeats."""
+        if self.is_main:
+            self.member.ending()
+
+    def _close_membership(self) -> None:
+        self.member.close()

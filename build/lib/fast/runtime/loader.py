@@ -1,0 +1,251 @@
+"""This worker's shard of any dataset, batch by batch, in an order that depends only on (seed, epoch, worker).
+
+Map-style datasets are cut into disjoint shards, `iid` (a seeded permutation) or `dirichlet` (label skew; the
+labels from `labels=`, else `dataset.targets`); every worker runs the same number of batches per epoch (the
+smallest shard decides), so synchronous strategies stay in step. Tensor datasets are indexed a batch at a time;
+other datasets go through a `torch.utils.data.DataLoader` (worker processes, pinned memory on CUDA). An
+`IterableDataset` is split by position (worker k takes items k, k + N, ...); under a strategy whose workers move
+in step, the workers agree after each batch whether all of them have one, so they end an epoch together.
+
+Each pass over the loader is the next epoch. After a resume the first pass skips the batches already done.
+
+An elastic run (`run.elastic`) has no shards: its members share one cursor through each epoch's order (a seeded
+permutation of the whole dataset), and at each step the member of rank r of n takes the r-th of the next n
+batches, so that members may come and go without a sample lost or seen twice (fast.runtime.live).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from fast.config import Config
+from fast.errors import ConfigError
+from fast.runtime.sharding import partition
+
+
+class Host(Protocol):
+    """What a loader asks of the job it serves (fast.runtime.job.Job)."""
+
+    config: Config
+    rank: int
+    workers: int
+    is_worker: bool
+    device: torch.device
+    step: int
+    stopped: bool
+    loader_position: tuple[int, int] | None
+    loaders: list[Any]
+
+    def _settle(self) -> None: ...
+
+    def _all_have(self, has_batch: bool) -> bool: ...
+
+    def _loader_created(self, loader: Any) -> None: ...
+
+
+def labels_of(dataset: Any, labels: Any = None) -> torch.Tensor:
+    """The labels the dirichlet partition splits by: `labels`, else `dataset.targets`; ConfigError otherwise."""
+    found = labels if labels is not None else getattr(dataset, "targets", None)
+    if found is None:
+        raise ConfigError(
+            "`data.partition` = 'dirichlet' needs the labels of the dataset: give job.loader(..., labels=...) or a "
+            "dataset with a `targets` attribute, or set data.partition = 'iid'"
+        )
+    found = torch.as_tensor(found)
+    if found.dim() != 1 or len(found) != len(dataset):
+        raise ConfigError(f"the labels for `data.partition` = 'dirichlet' must be one per sample ({len(dataset)})")
+    return found
+
+
+def epoch_order(size: int, seed: int, epoch: int, rank: int) -> torch.Tensor:
+    """The order a worker visits its shard in an epoch: a function of (seed, epoch, rank) only."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + rank)
+    return torch.randperm(size, generator=generator)
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(b, device, non_blocking) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    return batch
+
+
+class _Batches(torch.utils.data.Sampler):
+    """A fixed list of index batches, as a DataLoader batch sampler."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class ShardedLoader:
+    """Iterate over it once per epoch; see the module docstring."""
+
+    def __init__(
+        self,
+        job: Host,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        labels: Any = None,
+        num_workers: int | None = None,
+        collate_fn: Any = None,
+        device_placement: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"job.loader: batch_size must be at least 1, got {batch_size}")
+        self.job, self.dataset, self.batch_size, self.shuffle = job, dataset, batch_size, shuffle
+        self.collate_fn = collate_fn
+        self.device = job.device if device_placement else None
+        config = job.config
+        self.num_workers = config.data.loader_workers if num_workers is None else num_workers
+        self.streaming = isinstance(dataset, IterableDataset)
+        self.steps_per_epoch: int | None = None
+        if self.streaming and getattr(job, "elastic", False):
+            raise ConfigError("run.elastic needs a map-style dataset (its members share one cursor through it): "
+                              "an IterableDataset cannot be taken up where a leaving worker stood")  # fmt: skip
+        if getattr(job, "elastic", False):
+            self.shard = torch.arange(len(dataset))
+            planned = config.run.workers * batch_size  # the run's length is planned for the workers it starts with
+            if len(dataset) < planned:
+                raise ConfigError(f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size} for "
+                                  f"each of the {config.run.workers} workers: use a smaller batch")  # fmt: skip
+            self.steps_per_epoch = len(dataset) // planned
+        elif not self.streaming:
+            workers, seed = job.workers, config.run.seed
+            if len(dataset) < workers:
+                raise ConfigError(f"the dataset has {len(dataset)} samples for {workers} workers: use fewer workers")
+            if config.data.partition == "dirichlet":
+                cut = partition(labels_of(dataset, labels), workers, "dirichlet", alpha=config.data.alpha, seed=seed)
+            else:
+                cut = partition(torch.zeros(len(dataset)), workers, "iid", seed=seed)
+            self.shard = cut[min(job.rank, workers - 1)] if job.is_worker else cut[0][:0]
+            smallest = min(len(s) for s in cut)
+            if batch_size > smallest:
+                raise ConfigError(
+                    f"batch size {batch_size} (run.batch_size, or job.loader's) is larger than the smallest worker's "
+                    f"shard, {smallest} of the {len(dataset)} samples: use a batch of at most {smallest}, or fewer "
+                    "workers"
+                )
+            self.steps_per_epoch = smallest // batch_size
+        self.tensors = getattr(dataset, "tensors", None) if collate_fn is None else None
+        self.epoch: int | None = None  # the epoch of the last pass
+        self.taken = 0  # batches of it handed out
+        job._loader_created(self)
+
+    def __len__(self) -> int:
+        if self.steps_per_epoch is None:
+            raise TypeError("a loader over an IterableDataset has no length")
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        job = self.job
+        if getattr(job, "elastic", False):
+            yield from self._cursor()
+            return
+        self.epoch, skip = self._start()
+        self.taken = skip
+        if self.streaming:
+            yield from self._stream()
+            return
+        order = self.shard
+        if self.shuffle:
+            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, job.rank)]
+        b = self.batch_size
+        batches = [order[i * b : (i + 1) * b] for i in range(skip, self.steps_per_epoch)]
+        for batch in self._fetch(batches):
+            job._settle()  # the workers' check owed after the last step, before this batch is used
+            if job.stopped:
+                return
+            self.taken += 1
+            yield batch
+
+    def _cursor(self) -> Iterator[Any]:
+        """One pass of an elastic run: this member's batch of each step, from the cursor the members share."""
+        job, b = self.job, self.batch_size
+        self.epoch = job.data_epoch
+        order = self.shard
+        if self.shuffle:
+            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, 0)]
+        self.taken = 0
+        while not job.stopped:
+            job._membership_boundary()  # the members switch (and heal) before the batch is chosen
+            if job.stopped or job.data_epoch != self.epoch:
+                return
+            if job.data_cursor + job.workers * b > len(order):  # the epoch is over, for every member at once
+                job.data_epoch, job.data_cursor = job.data_epoch + 1, 0
+                return
+            start = job.data_cursor + job.world.index() * b
+            self.taken += 1
+            yield next(self._fetch([order[start : start + b]]))
+
+    def _start(self) -> tuple[int, int]:
+        """(epoch, batches to skip) of this pass: the next epoch, or where a resumed run stopped."""
+        if self.epoch is not None:
+            return self.epoch + 1, 0
+        job = self.job
+        if job.loader_position is not None and job.loaders and job.loaders[0] is self:
+            epoch, skip = job.loader_position
+        elif self.steps_per_epoch:
+            epoch, skip = divmod(job.step * job.config.run.accumulate, self.steps_per_epoch)
+        else:
+            epoch, skip = 0, 0
+        if self.steps_per_epoch and skip >= self.steps_per_epoch:
+            epoch, skip = epoch + 1, 0
+        return epoch, skip
+
+    def _fetch(self, batches: list[torch.Tensor]) -> Iterator[Any]:
+        if self.tensors is not None:  # a batch is one indexing of each tensor
+            for index in batches:
+                yield self._place(tuple(t[index] for t in self.tensors))
+            return
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=_Batches([index.tolist() for index in batches]),
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            pin_memory=self.job.device.type == "cuda",
+            persistent_workers=False,
+        )
+        for batch in loader:
+            yield self._place(batch)
+
+    def _stream(self) -> Iterator[Any]:
+        job = self.job
+        mine = _Slice(self.dataset, job.rank, job.workers)
+        batches = iter(DataLoader(mine, batch_size=self.batch_size, drop_last=True, collate_fn=self.collate_fn))
+        while not job.stopped:
+            batch = next(batches, None)
+            if not job._all_have(batch is not None):
+                return
+            self.taken += 1
+            yield self._place(batch)
+
+    def _place(self, batch: Any) -> Any:
+        if self.device is None:
+            return batch
+        return to_device(batch, self.device, non_blocking=self.device.type == "cuda")
+
+
+class _Slice(IterableDataset):
+    """Worker `rank` of `workers`'s part of a stream: items rank, rank + workers, ..."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, workers: int) -> None:
+        self.dataset, self.rank, self.workers = dataset, rank, workers
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), self.rank, None, self.workers)

@@ -1,0 +1,463 @@
+"""Live membership: who is in an elastic run (`run.elastic`), generation by generation, on c10d's TCPStore.
+
+The launcher of the run hosts the store and runs the `Coordinator`; every worker holds a `Member`. The store is
+the one engine (as torchrun's rendezvous): atomic counters and keys, no consensus of FAST's own. A generation is
+a numbered list of member ids; a member's rank in the generation's process group is its place in the list, and
+each generation's group lives under a key prefix of its own. The coordinator alone publishes generations: when
+a member dies (its process exits, or its heartbeats stop), leaves (SIGTERM: it says so before it goes), is
+suspected by a peer whose collective with it failed, or when a joiner is admitted. The members switch at the
+points their strategy can take a change (fast.runtime.live), all at the same step.
+
+Who may join or stop the run (the one place this rule lives): a joiner, or `fast stop`, proves it holds the run's
+secret (`membership.secret`, written 0600 in the run folder; a remote joiner is given it as a file) by an HMAC of
+its request, never the secret itself; a joiner's config must also equal the run's but for the keys each process
+may set for itself (`PER_PROCESS_KEYS`). The store itself trusts whoever reaches its port, as torchrun's does: keep
+`run.master_addr` on loopback or a private network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fast.comm import bootstrap as engine
+from fast.comm.comm import Comm
+from fast.config import Config
+from fast.errors import ConfigError, FastError
+from fast.runtime import files
+
+SECRET_FILE = "membership.secret"
+ADDRESS_FILE = "membership.json"
+HEARTBEAT_S = 0.5  # how often a member says it is alive
+SILENT_S = 10.0  # a member silent this long is dropped (a local process's exit is seen at once)
+POLL_S = 0.02
+FORM_S = 10.0  # the longest a member waits for another to form a generation's group
+PREFIX = "fast/membership/"
+# config keys a joiner may hold differently from the run: where its own outputs go and how it runs locally
+PER_PROCESS_KEYS = ("run.threads_per_worker", "run.device", "run.tensorboard", "run.trace", "run.master_port")
+
+
+class Refused(ConfigError):
+    """The coordinator did not admit a joiner (exit code 2): the reason names what to change."""
+
+
+class RunEnded(FastError):
+    """The run ended (or failed) while this member waited to take part."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership: its number, its members (ids; a member's rank is its place) and what changed."""
+
+    number: int
+    members: list[int]
+    joined: list[int] = field(default_factory=list)
+    left: list[dict[str, Any]] = field(default_factory=list)
+    unix_time: float = 0.0
+    failed: str | None = None  # the run cannot go on (fewer than run.min_workers remain): why
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        return cls(**json.loads(text))
+
+
+def why_it_ends(members: list[int], min_workers: int) -> str | None:
+    """Why a run whose members are `members` cannot go on, or None."""
+    if 0 not in members:
+        return "worker 0, which writes the run's outputs, is gone: the run cannot go on"
+    if len(members) < min_workers:
+        return f"{len(members)} workers remain, fewer than run.min_workers = {min_workers}: the run cannot go on"
+    return None
+
+
+def _store(host: str, port: int, *, hosting: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A connection to the run's store whose waits give up after `timeout_s`; connecting gives up sooner (a store
+    that is gone refuses at once, and c10d would retry for the whole timeout)."""
+    store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False,
+                          timeout=timedelta(seconds=min(timeout_s, FORM_S)), use_libuv=True)  # fmt: skip
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def _get(store: Any, key: str) -> bytes | None:
+    return store.get(PREFIX + key) if store.check([PREFIX + key]) else None
+
+
+def _closed(store: Any) -> bool:
+    """Whether the run takes no more changes but departures (closed to joiners, or ending)."""
+    return _get(store, "closed") is not None or _get(store, "ending") is not None
+
+
+def _proof(secret: bytes, challenge: str, request: int | str, config_text: str) -> str:
+    message = f"{challenge}/{request}/".encode() + hashlib.sha256(config_text.encode()).digest()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def config_difference(run: Config, joiner: Config) -> str | None:
+    """The first key in which a joiner's config differs from the run's (keys of PER_PROCESS_KEYS aside)."""
+    from fast.assemble import flat
+
+    mine, theirs = flat(run.to_dict()), flat(joiner.to_dict())
+    for key in sorted(set(mine) | set(theirs)):
+        if key in PER_PROCESS_KEYS or mine.get(key) == theirs.get(key):
+            continue
+        return f"{key} is {theirs.get(key)!r} where the run has {mine.get(key)!r}"
+    return None
+
+
+class Coordinator:
+    """The run's membership, kept by its launcher: hosts the store, admits joiners, publishes generations."""
+
+    def __init__(self, run_dir: Path, config: Config, addr: str, founders: int) -> None:
+        self.run_dir, self.config = run_dir, config
+        self.store = _store(addr, config.run.master_port if config.run.master_port else 0, hosting=True)
+        self.address = (addr, self.store.port)
+        self.secret = secrets.token_bytes(32)
+        self.challenge = secrets.token_hex(16)
+        files.write_text(run_dir / SECRET_FILE, self.secret.hex(), private=True)
+        files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.store.port}))
+        self.members = list(range(founders))
+        self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
+        self.next_id = founders
+        self.generation = Generation(0, list(self.members), unix_time=time.time())
+        self._exited: dict[int, str] = {}
+        self._seen_requests = self._seen_stops = 0
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._started = False
+        self.store.set(PREFIX + "challenge", self.challenge)
+        self._publish(self.generation)
+        self._thread = threading.Thread(target=self._watch, name="fast-membership", daemon=True)
+        self._thread.start()
+
+    def environment(self) -> dict[str, str]:
+        """What a founder's process needs to find the membership."""
+        return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}"}
+
+    def started(self) -> bool:
+        """Whether a generation's group has formed yet (training has started)."""
+        if not self._started:
+            self._started = _get(self.store, f"settled/{self.generation.number}") == b"formed"
+        return self._started
+
+    def exited(self, member: int, exit_code: int | None) -> bool:
+        """The launcher saw a founder's process end (0: it finished); True if it was told to go (churn)."""
+        how = "killed" if exit_code is not None and exit_code < 0 else f"exited with code {exit_code}"
+        with self._lock:
+            self._exited[member] = how
+        return _get(self.store, PREFIX + f"evict/{member}") is not None
+
+    def evict(self, member: int, how: str) -> None:
+        """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
+        the run is closed or ending (its last collectives need every member: a crash then ends the run)."""
+        if not _closed(self.store):
+            self.store.set(PREFIX + f"evict/{member}", how)
+
+    def close(self) -> None:
+        self._closing.set()
+        self.store.set(PREFIX + "ended", "1")
+        self._thread.join(timeout=5)
+        for name in (SECRET_FILE, ADDRESS_FILE):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+    def _publish(self, generation: Generation) -> None:
+        self.store.set(PREFIX + f"generation/{generation.number}", generation.to_json())
+        self.store.set(PREFIX + "generation", str(generation.number))
+        self.generation = generation
+
+    def _watch(self) -> None:
+        while not self._closing.wait(POLL_S * 5):
+            try:
+                self._round()
+            except Exception:  # the store went away with the run
+                if self._closing.is_set():
+                    return
+                raise
+
+    def _round(self) -> None:
+        self._stops()
+        if _get(self.store, "ending") is not None:
+            return
+        closed = _get(self.store, "closed") is not None  # nobody comes in any more; departures still count
+        left = self._departures()
+        if not closed:
+            self.pending += self._admissions()
+        # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
+        joined = [] if closed else [m for m in self.pending if _get(self.store, f"ready/{m}") is not None]
+        gave_up = [m for m in self.pending if _get(self.store, f"leave/{m}") is not None]
+        self.pending = [m for m in self.pending if m not in joined and m not in gave_up]
+        # a member whose collective failed in the newest generation, with no departure to explain it: form it again
+        suspected = int(self.store.add(PREFIX + f"suspicions/{self.generation.number}", 0)) > 0
+        if not (left or joined or suspected):
+            return
+        gone = {entry["member"] for entry in left}
+        members = [m for m in self.members if m not in gone] + joined
+        self.members = members
+        failed = why_it_ends(members, self.config.run.min_workers)
+        self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
+
+    def _departures(self) -> list[dict[str, Any]]:
+        now, left = time.time(), []
+        with self._lock:
+            exited = dict(self._exited)
+        for member in self.members:
+            said = _get(self.store, f"leave/{member}")
+            beat = _get(self.store, f"heartbeat/{member}")
+            if said is not None:
+                left.append({"member": member, "how": said.decode()})
+            elif member in exited:
+                left.append({"member": member, "how": exited[member]})
+            elif beat is not None and now - float(beat) > SILENT_S:
+                left.append({"member": member, "how": f"silent for {now - float(beat):.0f}s"})
+        return left
+
+    def _admissions(self) -> list[int]:
+        """Answer each new join request: a member id, or why not."""
+        admitted = []
+        requests = int(self.store.add(PREFIX + "requests", 0))
+        while self._seen_requests < requests:
+            number = self._seen_requests + 1
+            written = _get(self.store, f"request/{number}")
+            if written is None:  # counted, not written yet: the next round
+                break
+            self._seen_requests = number
+            try:
+                request = json.loads(written)
+            except ValueError:
+                request = {}
+            reason = self._refusal(number, request, len(self.members) + len(admitted))
+            if reason is None:
+                member, self.next_id = self.next_id, self.next_id + 1
+                admitted.append(member)
+                answer = {"member": member}
+            else:
+                answer = {"refused": reason}
+            self.store.set(PREFIX + f"answer/{number}", json.dumps(answer))
+        return admitted
+
+    def _stops(self) -> None:
+        """Answer each `fast stop` request: the members end at their next boundary, or why not."""
+        requests = int(self.store.add(PREFIX + "stops", 0))
+        while self._seen_stops < requests:
+            number = self._seen_stops + 1
+            written = _get(self.store, f"stop/{number}")
+            if written is None:
+                break
+            self._seen_stops = number
+            expected = _proof(self.secret, self.challenge, f"stop-{number}", "")
+            if hmac.compare_digest(expected, written.decode(errors="replace")):
+                self.store.set(PREFIX + "stopping", "1")
+                answer = "stopping"
+            else:
+                answer = (f"refused: it does not hold the run's secret: give `fast stop` the run folder, or "
+                          f"--token-file with the run's {SECRET_FILE}")  # fmt: skip
+            self.store.set(PREFIX + f"stop-answer/{number}", answer)
+
+    def _refusal(self, number: int, request: dict[str, Any], size: int) -> str | None:
+        from fast.assemble import load_config
+
+        expected = _proof(self.secret, self.challenge, number, request.get("config", ""))
+        if not hmac.compare_digest(expected, str(request.get("proof", ""))):
+            return ("it does not hold the run's secret: give `fast join` the run folder, or --token-file with the "
+                    f"run's {SECRET_FILE}")  # fmt: skip
+        try:
+            joiner = load_config(json.loads(request["config"]))
+        except (ConfigError, ValueError, KeyError) as e:
+            return f"its config is not valid: {e}"
+        difference = config_difference(self.config, joiner)
+        if difference is not None:
+            return f"its config differs from the run's: {difference}"
+        limit = self.config.run.max_workers or 256
+        if size + len(self.pending) >= limit:
+            return f"the run already has {size} workers, its run.max_workers: try again when one leaves"
+        return None
+
+
+class Member:
+    """A worker's side of the membership: its id, heartbeats, and the generations the coordinator publishes."""
+
+    def __init__(self, address: str, member: int, deadline_s: float) -> None:
+        host, port = address.rsplit(":", 1)
+        self.host, self.port, self.id, self.deadline_s = host, int(port), member, deadline_s
+        try:
+            self.store = _store(host, int(port), timeout_s=deadline_s)
+        except (RuntimeError, ValueError):  # the launcher and its store are gone
+            raise RunEnded(f"the run's membership at {address} does not answer: the run has ended") from None
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
+        self._beats.start()
+
+    def _beat(self) -> None:
+        store = _store(self.host, self.port, timeout_s=self.deadline_s)  # a connection of its own
+        while True:
+            try:
+                store.set(PREFIX + f"heartbeat/{self.id}", repr(time.time()))
+                evicted = _get(store, f"evict/{self.id}")
+            except Exception:  # the run's launcher is gone: the lifeline ends this process
+                return
+            if evicted is not None and not _closed(store):  # [faults] churn: a crash, or SIGTERM
+                os.kill(os.getpid(), signal.SIGKILL if evicted == b"kill" else signal.SIGTERM)
+                return
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+    def ready(self) -> None:
+        """A joiner's process is up: the coordinator puts it in the next generation."""
+        self.store.set(PREFIX + f"ready/{self.id}", "1")
+
+    def newest(self) -> int:
+        return int(self.store.get(PREFIX + "generation"))
+
+    def generation(self, number: int) -> Generation:
+        return Generation.from_json(self.store.get(PREFIX + f"generation/{number}"))
+
+    def wait_for(self, after: int, *, including: int | None = None) -> Generation:
+        """The first generation newer than `after` (that has `including` among its members, if given)."""
+        start = time.monotonic()
+        while True:
+            newest = self.newest()
+            if newest > after:
+                generation = self.generation(newest)
+                if generation.failed:
+                    raise RunEnded(generation.failed)
+                if including is None or including in generation.members:
+                    return generation
+                after = newest
+            if _get(self.store, "ended") is not None or _get(self.store, "ending") is not None:
+                raise RunEnded("the run ended before this worker could take part again")
+            if time.monotonic() - start > self.deadline_s:
+                raise RunEnded(f"no new membership within run.deadline_s = {self.deadline_s:g}s")
+            time.sleep(POLL_S)
+
+    def arrive(self, generation: Generation) -> bool:
+        """Wait until every member of `generation` has arrived to form its group: True, and every member forms it;
+        or False, and none does (a newer generation came first, or a member never came). The first member to see
+        either settles it for all, by compare-and-set."""
+        key, settled = PREFIX + f"arrived/{generation.number}", PREFIX + f"settled/{generation.number}"
+        if _get(self.store, f"settled/{generation.number}") is None:
+            self.store.add(key, 1)
+        start = time.monotonic()
+        while True:
+            decided = _get(self.store, f"settled/{generation.number}")
+            if decided is not None:
+                return decided == b"formed"
+            if int(self.store.add(key, 0)) >= len(generation.members):
+                outcome = "formed"
+            elif self.newest() > generation.number or time.monotonic() - start > self.deadline_s:
+                outcome = "abandoned"
+            else:
+                time.sleep(POLL_S)
+                continue
+            return self.store.compare_set(settled, "", outcome) == b"formed"
+
+    def group_store(self, generation: Generation) -> Any:
+        """The store `generation`'s group forms on: its own prefix, and a connection whose waits give up after
+        FORM_S (a member that died between arriving and forming does not hold the others up for a deadline)."""
+        store = _store(self.host, self.port, timeout_s=min(self.deadline_s, FORM_S))
+        return dist.PrefixStore(PREFIX + f"group/{generation.number}/", store)
+
+    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
+             make_comm: Any) -> Comm:  # fmt: skip
+        """This member's Comm over `generation`'s group (collective over its members; RuntimeError if one
+        does not come within FORM_S)."""
+        n, rank = len(generation.members), generation.members.index(self.id)
+        return engine.start_group(self.group_store(generation), rank, n, device, deadline_s, counter, make_comm,
+                                  FORM_S)  # fmt: skip
+
+    def suspect(self, generation: int) -> None:
+        """A collective of this member's in `generation` failed: ask the coordinator to form it again, unless a
+        newer generation (a departure it saw) has already replaced it."""
+        self.store.add(PREFIX + f"suspicions/{generation}", 1)
+
+    def stopping(self) -> bool:
+        """Whether `fast stop` asked the run to end (the members end together at their next boundary)."""
+        return bool(self.store.check([PREFIX + "stopping"]))
+
+    def leave(self, how: str) -> None:
+        try:
+            self.store.set(PREFIX + f"leave/{self.id}", how)
+        except Exception:
+            pass
+        self.close()
+
+    def close_to_joiners(self) -> None:
+        """Worker 0 is out of time while the members re-form: nobody else comes in, churn stops (departures still
+        make new generations), so that the members can form one last time and end."""
+        self.store.set(PREFIX + "closed", "1")
+
+    def ending(self) -> None:
+        """The run is ending (worker 0 says so): nobody else is admitted."""
+        self.store.set(PREFIX + "ending", "1")
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def report_left(address: str, member: int, how: str) -> None:
+    """A joiner's launcher saw its worker end: the coordinator drops it now, not at the end of its heartbeats."""
+    host, port = address.rsplit(":", 1)
+    try:
+        _store(host, int(port), timeout_s=5).set(PREFIX + f"leave/{member}", how)
+    except (RuntimeError, ValueError):  # the run is over
+        pass
+
+
+def _reach(command: str, address: str, timeout_s: float) -> Any:
+    """A connection to a live run's store, for a request of `command` (fast join, fast stop)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        store = _store(host, int(port), timeout_s=timeout_s)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"{command}: no run answers at {address} ({str(e).splitlines()[0]}): check the address "
+                          "and that the run is still going") from None  # fmt: skip
+    if _get(store, "ended") is not None or _get(store, "ending") is not None:
+        raise RunEnded(f"the run at {address} has ended: there is nothing to {command.split()[-1]}")
+    return store
+
+
+def _answer(store: Any, key: str, what: str, timeout_s: float) -> bytes:
+    start = time.monotonic()
+    while (answer := _get(store, key)) is None:
+        if time.monotonic() - start > timeout_s:
+            raise RunEnded(f"the run did not answer the {what} within {timeout_s:g}s")
+        time.sleep(POLL_S)
+    return answer
+
+
+def request_admission(address: str, secret: bytes, config: Config, timeout_s: float) -> int:
+    """A joiner's request: its member id, or Refused naming why."""
+    store = _reach("fast join", address, timeout_s)
+    text = json.dumps(config.to_dict())
+    number = int(store.add(PREFIX + "requests", 1))
+    proof = _proof(secret, store.get(PREFIX + "challenge").decode(), number, text)
+    store.set(PREFIX + f"request/{number}", json.dumps({"config": text, "proof": proof}))
+    decided = json.loads(_answer(store, f"answer/{number}", "join request", timeout_s))
+    if "refused" in decided:
+        raise Refused(f"fast join: refused: {decided['refused']}")
+    return int(decided["member"])
+
+
+def request_stop(address: str, secret: bytes, timeout_s: float = 30.0) -> None:
+    """`fast stop`: ask a live run to end, its members together at their next boundary; Refused naming why not."""
+    store = _reach("fast stop", address, timeout_s)
+    number = int(store.add(PREFIX + "stops", 1))
+    store.set(PREFIX + f"stop/{number}", _proof(secret, store.get(PREFIX + "challenge").decode(), f"stop-{number}", ""))
+    answer = _answer(store, f"stop-answer/{number}", "stop request", timeout_s).decode()
+    if answer != "stopping":
+        raise Refused(f"fast stop: {answer}")

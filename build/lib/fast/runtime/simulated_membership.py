@@ -1,0 +1,194 @@
+"""Live membership in the simulated engine: the coordinator, each member's side and `[faults] churn`, in virtual time.
+
+The same generations as fast.runtime.membership, kept in the simulation's memory instead of a TCPStore, so that
+fast.runtime.live runs unchanged on them. A member that leaves is out of the next generation at once (as a local
+process's exit is seen at once), a joiner once its task is up; members wait by parking their task, and a new
+generation wakes them. A generation's group is a simulated group over its members' ids, which are also their
+places on the wire. Churn is a task of the simulation: each member but worker 0 stays an exponential time, its
+tasks then end as a crashed machine's do, and after an exponential absence a new worker (a new id) joins and is
+healed from a live peer, all drawn from `run.seed` as a real run's churn is, from the start of training.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fast.comm import timing
+from fast.comm.comm import Comm
+from fast.comm.scheduler import Simulation, current_task
+from fast.config import Config
+from fast.emulation.simulated_comm import SimComm
+from fast.emulation.simulated_machine import Crashed
+from fast.emulation.wire import Wire
+from fast.runtime.churn import ChurnDraws
+from fast.runtime.membership import Generation, RunEnded, why_it_ends
+
+CHURN_POLL_S = 0.05  # virtual seconds between the churn task's looks at the membership
+
+
+class SimulatedMembership:
+    """The run's membership (what the Coordinator is to real processes); `start_worker(id)` starts a joiner."""
+
+    def __init__(self, sim: Simulation, wire: Wire, config: Config, founders: int,
+                 start_worker: Callable[[int], None]) -> None:  # fmt: skip
+        self.sim, self.wire, self.config, self.start_worker = sim, wire, config, start_worker
+        self.generations = [Generation(0, list(range(founders)))]
+        self.next_id = founders
+        self.joiners: set[int] = set()
+        self.arrived: dict[int, set[int]] = defaultdict(set)
+        self.settled: dict[int, bool] = {}  # generation -> formed (True) or abandoned (False)
+        self.ending = False
+        self.closed = False  # to joiners and churn (worker 0 out of time while the members re-form)
+        self._waiting: list[Any] = []
+
+    @property
+    def newest(self) -> Generation:
+        return self.generations[-1]
+
+    def publish(self, joined: list[int] = (), left: list[dict[str, Any]] = ()) -> None:  # type: ignore[assignment]
+        gone = {entry["member"] for entry in left}
+        members = [m for m in self.newest.members if m not in gone] + list(joined)
+        failed = why_it_ends(members, self.config.run.min_workers)
+        number = len(self.generations)
+        self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed))
+        self.wake_all()
+
+    def settle(self, number: int, formed: bool) -> None:
+        self.settled[number] = formed
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for task in waiting:
+            self.sim.wake(task)
+
+    def park(self, timeout_s: float) -> bool:
+        """Wait for a change (True) or `timeout_s` virtual seconds (False)."""
+        self._waiting.append(current_task())
+        return self.sim.park(timeout_s, "a new membership")
+
+    def member(self, rank: int, deadline_s: float) -> SimulatedMember:
+        return SimulatedMember(self, rank, rank in self.joiners, deadline_s)
+
+    # -- churn -----------------------------------------------------------------------------------------------
+    def evict(self, member: int, how: str) -> None:
+        """`member`'s machine goes: its tasks end, its peers learn it at once, the next generation is without it."""
+        crash = Crashed(f"worker {member} left the run ([faults] churn)")
+        self.wire.leave(member, "left the run")
+        for task in self.sim.tasks:
+            if task.rank == member and task is not current_task():
+                self.sim.kill(task, crash)
+        self.publish(left=[{"member": member, "how": "killed" if how == "kill" else "left (SIGTERM)"}])
+
+    def bring_one_in(self) -> None:
+        member, self.next_id = self.next_id, self.next_id + 1
+        self.joiners.add(member)
+        self.wire.add(member)
+        self.start_worker(member)
+
+    def churn(self) -> None:
+        """The churn task (see the module): until member 0 says the run is ending."""
+        draws = ChurnDraws(self.config)
+        leaves: dict[int, float] = {}  # member -> when it leaves
+        returns: list[float] = []  # when a new worker comes in
+        while not any(self.settled.values()):  # times count from the start of training
+            timing.sleep(CHURN_POLL_S)
+        while not (self.ending or self.closed):
+            now = self.sim.now
+            for member in self.newest.members:
+                if member and member not in leaves:
+                    leaves[member] = now + draws.lifetime()
+            for member, at in sorted(leaves.items()):
+                if at <= now and member in self.newest.members:
+                    self.evict(member, draws.how)
+                    leaves[member] = float("inf")
+                    returns.append(now + draws.absence())
+            for at in [at for at in returns if at <= now]:
+                returns.remove(at)
+                self.bring_one_in()
+            upcoming = [at for at in [*leaves.values(), *returns] if at > now]
+            timing.sleep(min([CHURN_POLL_S, *(at - now for at in upcoming)]))
+
+
+class SimulatedMember:
+    """A simulated worker's side of the membership: `fast.runtime.membership.Member`'s methods, in virtual time."""
+
+    def __init__(self, membership: SimulatedMembership, member: int, joining: bool, deadline_s: float) -> None:
+        self.membership, self.id, self.joining, self.deadline_s = membership, member, joining, deadline_s
+
+    def ready(self) -> None:
+        if not (self.membership.closed or self.membership.ending):
+            self.membership.publish(joined=[self.id])
+
+    def newest(self) -> int:
+        return self.membership.newest.number
+
+    def generation(self, number: int) -> Generation:
+        return self.membership.generations[number]
+
+    def wait_for(self, after: int, *, including: int | None = None) -> Generation:
+        while True:
+            generation = self.membership.newest
+            if generation.number > after:
+                if generation.failed:
+                    raise RunEnded(generation.failed)
+                if including is None or including in generation.members:
+                    return generation
+                after = generation.number
+            if self.membership.ending:
+                raise RunEnded("the run ended before this worker could take part again")
+            if not self.membership.park(self.deadline_s):
+                raise RunEnded(f"no new membership within run.deadline_s = {self.deadline_s:g}s")
+
+    def arrive(self, generation: Generation) -> bool:
+        membership, number = self.membership, generation.number
+        if number not in membership.settled:
+            membership.arrived[number].add(self.id)
+            if len(membership.arrived[number]) >= len(generation.members):
+                membership.settle(number, formed=True)
+        while number not in membership.settled:
+            if self.newest() > number or not membership.park(self.deadline_s):
+                membership.settle(number, formed=False)
+        return membership.settled[number]
+
+    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
+             make_comm: Any) -> Comm:  # fmt: skip
+        wire = self.membership.wire
+        return SimComm(wire=wire, group_id=wire.group(("generation", generation.number)), deadline_s=deadline_s,
+                       device=device, counter=counter, ranks=list(generation.members), rank=self.id)  # fmt: skip
+
+    def suspect(self, generation: int) -> None:
+        """A collective failed in `generation`: if it is still the newest, form it again without whoever is gone."""
+        membership = self.membership
+        if generation == membership.newest.number:
+            gone = [{"member": m, "how": "gone"} for m in membership.newest.members if m in membership.wire.gone]
+            membership.publish(left=gone)
+
+    def stopping(self) -> bool:
+        return False  # a simulated run is one process: nothing outside it asks it to stop
+
+    def leave(self, how: str) -> None:
+        self.membership.publish(left=[{"member": self.id, "how": how}])
+
+    def close_to_joiners(self) -> None:
+        self.membership.closed = True
+
+    def ending(self) -> None:
+        self.membership.ending = True
+        self.membership.wake_all()
+
+    def close(self) -> None:
+        pass
+
+
+def simulated_member(rank: int, deadline_s: float) -> SimulatedMember:
+    """The calling task's member of its simulation's membership."""
+    from fast.comm.scheduler import simulation
+
+    sim = simulation()
+    assert sim is not None
+    return sim.shared["membership"].member(rank, deadline_s)

@@ -1,0 +1,274 @@
+"""The strategy's hooks around each of the user's steps, run from hooks on the user's own model and optimizer.
+
+    forward (the first of a step)     machine.before_step, strategy.before_step   (e.g. gossip posts its exchange),
+                                      machine.compute (the simulated engine's compute)
+    end of loss.backward()            gradients checked, strategy.after_backward  (e.g. sync waits for its buckets)
+    optimizer.step() begins           a step whose gradients were not finite is skipped (under `sync`, on every
+                                      worker when one worker's were not); gradients clipped
+    optimizer.step() ends             strategy.after_optimizer_step, then the job's bookkeeping
+
+So the user keeps their loop (forward, backward, optimizer.step, zero_grad) and the objects they passed in: the
+model and optimizer are the user's own, with hooks added. The hooks are plain functions, so a copy of the model
+(`copy.deepcopy`, as strategies take to evaluate an average) carries them without the job; they ignore it.
+Inside `no_sync()` (gradient accumulation), or after a forward while the model's `require_backward_grad_sync` is
+False (DDP's flag, read at each forward as DDP does), a backward only accumulates: the strategy runs at the last one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from fast.comm import timeline
+from fast.errors import CommError
+from fast.strategies import Strategy
+
+
+def all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is finite: min and max are NaN or infinite exactly when some element is, which is
+    one cheap reduction per gradient and one sync (several times faster on CPU than isfinite(g).all())."""
+    extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel()]
+    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
+
+
+def _batch_size(args: Any, kwargs: dict[str, Any]) -> int:
+    """The first dimension of the first tensor a forward is given (a batch's samples), or 0."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
+
+
+class StepDriver:
+    """Hooks a strategy into one model and one optimizer (`attach`); `on_step_done` is the job's bookkeeping."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        machine: Any,
+        on_step_done: Callable[[bool], None],
+        clip_norm: float | None = None,
+        autocast: Any = None,
+    ) -> None:
+        self.strategy, self.machine, self.on_step_done = strategy, machine, on_step_done
+        self.clip_norm, self.autocast = clip_norm, autocast
+        self.step = 0  # the step under way (steps done so far)
+        self.began = self.backward_done = self.callback_queued = False
+        self.bad = False
+        self.samples = 0  # the samples the loop passed through the model in training (their first dimension)
+        self.loop_skipped = 0  # steps the user's loop skipped (a GradScaler's), counted apart from bad steps
+        self.computing = False  # a compute span is open (fast.comm.timeline)
+        self.accumulating = self.in_no_sync = False
+        self.evaluating = False
+        self._casting: Any = None
+        self.on_begin: Callable[[], None] | None = None
+        # live membership: a step whose exchange failed (a peer is gone) is discarded, then this re-forms the group
+        self.on_failure: Callable[[], None] | None = None
+        self.failed = False
+        self.model: nn.Module
+        self.params: list[nn.Parameter] = []
+
+    # -- attaching --------------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        me = weakref.ref(self)
+        target = weakref.ref(model)
+
+        def before_forward(module: nn.Module, args: Any, kwargs: Any) -> None:
+            driver = me()
+            if driver is not None and module is target():
+                driver._forward_starts(module, args, kwargs)
+
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+            driver = me()
+            if driver is not None and module is target() and driver._casting is not None:
+                driver._casting.__exit__(None, None, None)
+                driver._casting = None
+
+        def gradient_ready(p: torch.Tensor) -> None:
+            driver = me()
+            if driver is not None:
+                driver._gradient_ready()
+
+        def before_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+            driver = me()
+            if driver is not None:
+                driver._optimizer_starts()
+
+        def after_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+            driver = me()
+            if driver is not None:
+                driver._optimizer_ends()
+
+        def no_sync() -> Any:
+            driver = me()
+            return driver.no_sync() if driver is not None else nullcontext()
+
+        if not hasattr(model, "no_sync"):  # DDP's spelling of gradient accumulation, for a script that uses it
+            model.no_sync = no_sync
+        self.handles = [
+            model.register_forward_pre_hook(before_forward, with_kwargs=True),
+            model.register_forward_hook(after_forward),
+            optimizer.register_step_pre_hook(before_optimizer),
+            optimizer.register_step_post_hook(after_optimizer),
+            *(p.register_post_accumulate_grad_hook(gradient_ready) for p in self.params),
+        ]
+
+    def detach(self) -> None:
+        for handle in getattr(self, "handles", []):
+            handle.remove()
+        self.handles = []
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def _forward_starts(self, module: nn.Module, args: Any = (), kwargs: Any = None) -> None:
+        if self.evaluating or not module.training or not torch.is_grad_enabled():
+            return
+        self.samples += _batch_size(args, kwargs or {})
+        if not self.began:
+            self.begin()
+        elif self.backward_done and not self.accumulating:
+            self._retake()
+        self._accumulate(self.in_no_sync or not getattr(module, "require_backward_grad_sync", True))
+        if self.autocast is not None:
+            self._casting = self.autocast()
+            self._casting.__enter__()
+
+    def begin(self, computes: bool = True) -> None:
+        if self.on_begin is not None:
+            self.on_begin()
+        self.machine.before_step(self.step)  # emulated crash, straggler pause, slowdown
+        with timeline.span("strategy.before_step", "communicate"):
+            self.strategy.before_step(self.step)
+        if computes:  # a simulated machine's compute, while what the strategy posted travels
+            self.machine.compute()
+        self.began = True
+        timeline.open_span("forward+backward", "compute")
+        self.computing = True
+
+    def _retake(self) -> None:
+        """A forward after the step's backward, and no optimizer.step between: the loop skipped the step (a
+        GradScaler that found an overflow skips it on every worker). The next backward makes the step anew."""
+        self.backward_done = self.bad = False
+        self.strategy.gradients_were_bad = self.strategy.skips_step = False
+        self.loop_skipped += 1
+        timeline.open_span("forward+backward", "compute")
+        self.computing = True
+
+    def _gradient_ready(self) -> None:
+        if self.callback_queued or self.accumulating:
+            return
+        self.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        self.callback_queued = False
+        if not self.began:  # a backward without a forward through the prepared model
+            self.begin()
+        self.gradients_done()
+
+    def gradients_done(self) -> None:
+        """The step's gradients are all in: keep a non-finite one from leaving this worker, then the strategy."""
+        self._computed()
+        if not self.strategy.checks_gradients:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if not all_finite(grads):
+                self.bad = True
+                for g in grads:
+                    g.zero_()
+        with timeline.span("strategy.after_backward", "communicate"):
+            try:
+                self.strategy.after_backward(self.step)
+            except CommError:
+                if self.on_failure is None:
+                    raise
+                self.failed = True
+                for p in self.params:  # the optimizer leaves parameters without a gradient alone
+                    p.grad = None
+        self.bad = self.bad or self.strategy.gradients_were_bad
+        self.backward_done = True
+
+    def _optimizer_starts(self) -> None:
+        if not self.began:
+            self.begin()
+        if not self.backward_done:
+            self.gradients_done()
+        if (self.bad and not self.strategy.averages_gradients) or self.strategy.skips_step:
+            for p in self.params:  # skip the step: the optimizer leaves parameters without a gradient alone
+                p.grad = None
+        elif self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+        self.strategy.before_optimizer_step()
+        timeline.open_span("optimizer", "compute")
+        self.computing = True
+
+    def _computed(self) -> None:
+        """The compute span under way (forward and backward, or the optimizer's step) ends."""
+        if self.computing:
+            timeline.close_span()
+            self.computing = False
+
+    def _optimizer_ends(self) -> None:
+        self._computed()
+        if self.failed:  # discarded: the step is taken again over the re-formed group
+            self.began = self.backward_done = self.bad = self.failed = False
+            self.on_failure()
+            return
+        round_failed = False
+        with timeline.span("strategy.after_optimizer_step", "communicate"):
+            try:
+                self.strategy.after_optimizer_step(self.step)
+            except CommError:  # a round's exchange: the local step stands, the round is given up
+                if self.on_failure is None:
+                    raise
+                round_failed = True
+        self.machine.after_step()  # times the step's own work, its communication waits left out
+        bad = self.bad
+        self.step += 1
+        self.began = self.backward_done = self.bad = False
+        self.on_step_done(bad)
+        if round_failed:
+            self.on_failure()
+
+    def null_step(self) -> None:
+        """A step without data (a worker that has finished while the others go on): the strategy's exchanges with
+        nothing of this worker's in them, so that the others' collectives complete."""
+        self.strategy.contributing = False
+        try:
+            self.begin(computes=False)
+            for p in self.params:
+                p.grad = None
+            self.gradients_done()
+            self.strategy.after_optimizer_step(self.step)
+            self.step += 1
+            self.began = self.backward_done = self.bad = False
+        finally:
+            self.strategy.contributing = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the strategy runs at the first one outside."""
+        self.in_no_sync = True
+        self._accumulate(True)
+        try:
+            yield
+        finally:
+            self.in_no_sync = False
+            self._accumulate(False)
+
+    def _accumulate(self, accumulating: bool) -> None:
+        self.accumulating = self.strategy.accumulating = accumulating
+
+    @contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Forward passes inside are not training steps."""
+        self.evaluating = True
+        try:
+            yield
+        finally:
+            self.evaluating = False

@@ -1,0 +1,147 @@
+"""`gossip`: D-PSGD (Lian et al. 2017; Langer et al. 2020 Sec. 3.4.2).
+
+Each step every worker mixes its replica with its neighbours' through the mixing matrix W of the topology,
+x_i <- sum_j W_ij x_j, and the optimizer then applies the gradient computed at the unmixed replica (the
+paper's Algorithm 1). The exchange is posted before the forward pass and waited for after backward, so
+communication overlaps the computation.
+
+Each round is a neighbour all-reduce (fast.exchange.neighbours) planned by fast.topology.rounds: partial and
+probabilistic communication, peers per round and time-varying schedules (the family's options:
+fast.strategies.peers). With a `[codec]`, gossip is CHOCO-SGD (fast.strategies.choco).
+
+A worker that dies is noticed by its neighbours when their exchange with it fails
+(the connection closes, or the deadline passes): they record it, move its weight for that round onto their
+own, and from the next round mix on `Topology.without(dead)` (weights re-made by the same rule, so W stays
+symmetric and doubly stochastic over the survivors). Every message carries its sender's list of the dead,
+so the news reaches the workers that are not the dead one's neighbours within a few rounds. CHOCO-SGD keeps
+estimates of fixed neighbours and does not survive a death.
+
+On an emulated lossy link (`[network] loss`, or a link that is down) D-PSGD's messages are droppable: a
+worker whose neighbour's message was lost keeps that neighbour's share of the round on its own replica, as
+for a channel that is down. The other end may have received its message and mixed, so in that round W is
+row-stochastic but not symmetric; the average drifts by what the two replicas differed, and consensus still
+holds. The summary counts `lost_messages`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fast.codecs import Codec
+from fast.comm.patience import PatientGroup
+from fast.config import Config
+from fast.errors import CommError, ConfigError
+from fast.exchange.neighbours import NeighbourRound, combine
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import PEER_OPTIONS, peer_messages, with_barrier
+from fast.strategies.base import Strategy
+from fast.strategies.flat import FlatState
+from fast.strategies.peers import PeerOptions, check_peer_options, rounds_for
+
+
+class GossipOptions(PeerOptions):
+    weights: Literal["metropolis", "uniform"] = Field("metropolis", description="the mixing rule for W")
+    consensus_lr: float = Field(0.5, gt=0, le=1, description="CHOCO-SGD's consensus step size (with a codec)")
+
+
+class Gossip(Strategy):
+    name = "gossip"
+    Options = GossipOptions
+    tags = (0,)
+    survives_failures = True  # with a codec (CHOCO-SGD) a death stays fatal
+    joins = True  # at any step (run.elastic): the topology is re-made over the members
+    cost_options = PEER_OPTIONS | {"overlap"}
+    cost_defaults = {
+        "overlap": 1.0
+    }  # posted before the forward pass, awaited after backward (Langer et al. 2020 Fig. 15)
+    waits_every_step = True
+    fallback: str | None = None  # the topology a live membership fell back to, when the configured one did not fit
+
+    @classmethod
+    def accepts_codec(cls, codec: Codec) -> bool:
+        return codec.contractive  # compressed differences (CHOCO-SGD) converge for codecs that shrink them
+
+    @classmethod
+    def check(cls, options: GossipOptions, config: Config) -> None:
+        check_peer_options(options, config)
+        if options.schedule == "exponential-one-peer" and options.send_probability < 1:
+            raise ConfigError(
+                "`strategy.send_probability` < 1 with schedule exponential-one-peer: a dropped one-way "
+                "message makes the mixing not doubly stochastic; use schedule random-matchings or a topology"
+            )
+
+    @classmethod
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        """The model goes to every neighbour (or peers_per_round of them) each step, one NIC."""
+        messages = peer_messages(workers, options, default_peers=None)
+        return with_barrier(compute_s, messages * link.message_time(n), messages * n, options)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        self.state = FlatState.of_replica(model)
+        self.exchanges = self.steps = self.lost_messages = 0
+        self.regroup()
+
+    def regroup(self) -> None:
+        """The plan of rounds over the group's members (a live membership: the new group's); a topology that
+        does not fit their number (a torus of 3) falls back to a ring, and the summary says so."""
+        size, seed = self.comm.size, self.ctx.config.run.seed
+        try:
+            self.rounds = rounds_for(self.options, size, seed)
+        except ConfigError as e:
+            self.rounds = rounds_for(self.options.model_copy(update={"topology": "ring"}), size, seed)
+            self.fallback = f"ring over {size} workers ({e})"
+        # waits give up at the deadline without letting gloo time out, which would cut this worker off from
+        # every neighbour, not just the silent one
+        self.patient = PatientGroup(self.comm)
+
+    # -- the exchange, overlapped with forward and backward ----------------------------------------------
+    def before_step(self, step: int) -> None:
+        self.round = self.rounds.plan(self.comm.index(), step)
+        self.mine = self.state.read()
+        # the message: the replica, then one flag per worker this one knows to be dead
+        dead = torch.zeros(self.comm.size)
+        dead[sorted(self.rounds.dead)] = 1.0
+        message = torch.cat([self.mine, dead.to(self.mine)])
+        ranks = self.comm.ranks
+        self.exchange = NeighbourRound(
+            self.patient, message, [ranks[j] for j in self.round.sends], [ranks[j] for j in self.round.takes]
+        )
+
+    def after_backward(self, step: int) -> None:
+        arrived, lost, gone = self.exchange.finish()
+        if gone and self.ctx.config.run.elastic:  # the membership drops the peer: this step is taken again
+            raise CommError(f"the exchange with workers {sorted(gone)} failed: the membership re-forms")
+        index = self.comm.index
+        newly_dead = {index(peer) for peer in gone}
+        for peer, how in gone.items():
+            self.lost(peer, step, how)
+        self.lost_messages += len(lost)
+        numel = self.state.numel
+        theirs = {index(peer): message[:numel] for peer, message in arrived.items()}
+        self.state.write(combine(self.mine, theirs, self.round.takes, self.round.keep))
+        for peer, message in arrived.items():  # the news of deaths travels with the messages
+            for k in message[numel:].nonzero().flatten().tolist():
+                if k not in self.rounds.dead and k not in newly_dead and k != index():
+                    self.lost(self.comm.ranks[k], step, f"told by worker {peer}")
+                    newly_dead.add(k)
+        self.exchanges += len(theirs)
+        self.steps += 1
+        if newly_dead:
+            self.rounds.forget(newly_dead)
+
+    def summary(self) -> dict[str, object]:
+        figures: dict[str, object] = {
+            "topology": self.rounds.describe(),
+            "mean_peers_per_step": self.exchanges / self.steps if self.steps else 0.0,
+            "lost_messages": self.lost_messages,
+        }
+        if self.rounds.topology is not None:
+            figures["spectral_gap"] = self.rounds.topology.spectral_gap()
+        if self.fallback is not None:
+            figures["topology_fallback"] = self.fallback
+        return figures

@@ -1,0 +1,74 @@
+"""What the periodic-averaging strategies (`local-sgd`, `diloco`, `streaming-diloco`) share: which codecs they
+take, their cost model, the compressed all-reduce their rounds go through, and an optional warm-up of
+synchronous steps before the first local one (post-local SGD, Lin et al. 2020; DeepSpeed's `freeze_step`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fast.codecs import Codec
+from fast.exchange.allreduce import CompressedAllReduce
+from fast.perfmodel import Link, StepCost
+from fast.perfmodel.step import COLLECTIVE_OPTIONS, periodic
+from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.flat import flat_gradients, write_gradients
+
+
+class WarmupOptions(StrategyOptions):
+    warmup_steps: int = Field(0, ge=0, description="synchronous steps (averaged gradients) before the first local one")
+
+
+class PeriodicAveraging(Strategy):
+    """A strategy that averages something (replicas, pseudo-gradients) every `period` local steps, after
+    `warmup_steps` steps that average gradients (the codec applies to those too)."""
+
+    cost_options = COLLECTIVE_OPTIONS | {"period"}
+    overlapped: ClassVar[bool] = False  # True: rounds run behind the next steps (their exchange in the background)
+    reduces_in_shared_memory = True
+    joins = True
+    joins_when = "between rounds"
+
+    @classmethod
+    def accepts_codec(cls, codec: Codec) -> bool:
+        return not codec.gradients_only  # DGC's momentum correction is for gradients, not model differences
+
+    @classmethod
+    def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
+        return periodic(n, workers, link, compute_s, options)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        codec = self.make_codec()
+        overlapped = self.overlapped
+        self.compressed = CompressedAllReduce(self.comm, codec, background=overlapped) if codec is not None else None
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.last_step = -1
+
+    def change_point(self, step: int) -> bool:
+        """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""
+        return self.warming_up(step) or self.local_steps(step - 1) % self.options.period == 0
+
+    def warming_up(self, step: int) -> bool:
+        return step < self.options.warmup_steps
+
+    def local_steps(self, step: int) -> int:
+        """Local steps done once step `step` is."""
+        return step + 1 - self.options.warmup_steps
+
+    def after_backward(self, step: int) -> None:
+        if self.warming_up(step):
+            grads = flat_gradients(self.trainable)
+            self.mean(grads, "gradients", [p.shape for p in self.trainable])
+            write_gradients(self.trainable, grads)
+
+    def mean(self, tensor: torch.Tensor, key: str, shapes: list[torch.Size]) -> None:
+        """Average `tensor` (the flat `shapes`) over the workers in place: through the run's codec, with its error
+        feedback, or by a plain all-reduce."""
+        if self.compressed is not None:
+            self.compressed.average(tensor, key, shapes=shapes)
+        else:
+            self.comm.all_reduce(tensor, op="mean")

@@ -1,0 +1,76 @@
+"""`fast join`: a worker that joins a running elastic job (`run.elastic`), admitted by its membership and healed
+from a live peer (fast.runtime.live); it trains with the others to the end of the run.
+
+    fast join RUN_DIR                                   a run of this machine: its address and secret are in RUN_DIR
+    fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fast.assemble import load_config
+from fast.comm import bootstrap as engine
+from fast.errors import ConfigError
+from fast.jobs.loop import UserCode, train_worker
+from fast.runtime.launch import launch
+from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, report_left, request_admission
+from fast.runtime.run_folder import new_folder
+from fast.strategies import strategy_class
+
+
+def read_secret(command: str, path: Path) -> bytes:
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{command}: cannot read the run's secret from {path} ({e}): give the run's "
+                          f"{SECRET_FILE}") from None  # fmt: skip
+
+
+def live_run(command: str, folder: Path) -> tuple[str, Path]:
+    """The membership address and the secret's file of the live elastic run in `folder` (of this machine)."""
+    where = folder / ADDRESS_FILE
+    if not where.is_file():
+        raise ConfigError(f"{command} {folder}: no live elastic run there (no {ADDRESS_FILE}): start one with "
+                          "run.elastic = true, or give --address and --token-file")  # fmt: skip
+    found = json.loads(where.read_text())
+    return f"{found['address']}:{found['port']}", folder / SECRET_FILE
+
+
+def join(
+    run_dir: str | Path | None = None,
+    *,
+    address: str | None = None,
+    token_file: str | Path | None = None,
+    config: str | Path | None = None,
+    out: str | Path | None = None,
+    **overrides: Any,
+) -> int:
+    """Join a running job and train with it to its end; returns this worker's member id."""
+    if run_dir is not None:
+        folder = Path(run_dir)
+        found, secret_file = live_run("fast join", folder)
+        address, token_file = address or found, token_file or secret_file
+        config = config or folder / "config.toml"
+        out = out or folder
+    if address is None or token_file is None or config is None:
+        raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config")
+    job = load_config(config, **overrides)
+    if not job.run.elastic:
+        raise ConfigError("fast join: the config is not an elastic run's (run.elastic = false): nothing can join it")
+    member = request_admission(address, read_secret("fast join", Path(token_file)), job, job.run.deadline_s)
+    out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
+    environment = {"FAST_MEMBERSHIP": address, "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
+    user = UserCode(strategy_class=strategy_class(job.strategy.name))
+
+    def ended(rank: int, exit_code: int | None) -> None:
+        if exit_code:  # tell the run at once, rather than at the end of this worker's heartbeats
+            report_left(address, member, "killed" if exit_code < 0 else f"exited with code {exit_code}")
+
+    addr = address.rsplit(":", 1)[0]
+    threads = job.run.threads_per_worker or 1
+    launch(train_worker, 1, (job, out, user, False), addr=addr, port=engine.free_port(), threads=threads,
+           extra_env=environment, on_exit=ended)  # fmt: skip
+    return member

@@ -1,0 +1,227 @@
+"""`fast train` and `fast run`: resolve the config, prepare the run folder, start the processes (or join torchrun's).
+
+`fast train CONFIG` runs FAST's own training loop (fast.jobs.loop) in every process; `fast run SCRIPT` runs the user's
+script, which calls fast.init. Both start `run.workers` processes plus the strategy's servers on this machine
+(or under the elastic agent with run.max_restarts); under torchrun the process is already one of the job's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from fast.assemble import load_config, world_size
+from fast.comm import bootstrap as engine
+from fast.config import Config
+from fast.errors import ConfigError
+from fast.factories import add_search_path
+from fast.jobs.loop import UserCode, datasets, train_worker
+from fast.runtime.churn import ChurnDriver
+from fast.runtime.job import default_run_dir, prepare_run_dir
+from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
+from fast.runtime.membership import Coordinator
+from fast.runtime.run_folder import check_folder, claim, claimed, release
+from fast.strategies import strategy_class, strategy_for
+
+
+def server_count(config: Config) -> int:
+    return world_size(config) - config.run.workers
+
+
+def prepare(
+    config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None, **overrides: Any
+) -> tuple[Config, Path]:
+    """The validated config and its run folder (with config.toml written, and held by this process until
+    `run_folder.release`); nothing is started."""
+    if isinstance(config, str | Path) and Path(config).is_file():
+        add_search_path(str(Path(config).resolve().parent))
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.toml there; give the folder of an earlier run")
+        config = load_config(config if config is not None else run_dir / "config.toml", **overrides)
+    else:
+        config = load_config(config, **overrides)
+        run_dir = Path(out) if out is not None else default_run_dir(config)
+    check_folder(run_dir)
+    if config.data.factory is None:
+        datasets(config)  # a data set that is not installed fails here, before anything starts
+    if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
+        claim(run_dir)  # before anything in it is cleared: another live run may hold it
+    try:
+        prepare_run_dir(config, run_dir, resume is not None, fast_loop=True)
+    except BaseException:
+        release(run_dir)
+        raise
+    return config, run_dir
+
+
+def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[str, str] | None = None,
+           resume: str = "fast train --resume {run_dir}") -> dict:  # fmt: skip
+    """Run `fn(*args)` in every process of the run; returns {rank: value}. `resume`: the command that continues
+    the run, shown when it is interrupted after a checkpoint."""
+    nprocs = config.run.workers + server_count(config)
+    if config.run.engine == "simulated":
+        return _simulate(fn, config, nprocs, args, extra_env)
+    addr = engine.resolved(config.run.master_addr)
+    port = config.run.master_port or engine.free_port(addr)
+    threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
+    try:
+        if config.run.max_restarts:
+            with variables_set(extra_env or {}):
+                return launch_elastic(
+                    fn, nprocs, args, addr=addr, port=port, threads=threads, max_restarts=config.run.max_restarts
+                )
+        if config.run.elastic:
+            return _launch_live(fn, config, run_dir, args, addr, threads, extra_env)
+        survivable = strategy_for(config).survives_failures
+        return launch(
+            fn, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable, extra_env=extra_env
+        )
+    except Interrupted as e:
+        if any(run_dir.glob("checkpoints/*.pt")):
+            hinted = Interrupted(f"{e}; continue with: {resume.format(run_dir=run_dir)}")
+            hinted.exit_code = e.exit_code
+            raise hinted from None
+        raise
+
+
+def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str, threads: int,
+                 extra_env: dict[str, str] | None) -> dict:  # fmt: skip
+    """An elastic run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
+    any founder but worker 0 may die, and others join with `fast join`."""
+    coordinator = Coordinator(run_dir, config, addr, config.run.workers)
+    churn = ChurnDriver(run_dir, config, coordinator) if config.faults and config.faults.churn else None
+    try:
+        return launch(fn, config.run.workers, args, addr=addr, port=engine.free_port(addr), threads=threads,
+                      survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
+                      on_exit=coordinator.exited)  # fmt: skip
+    finally:
+        if churn is not None:
+            churn.close()
+        coordinator.close()
+
+
+def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict[str, str] | None) -> dict:
+    """The run's processes as tasks of one simulation in this process (run.engine = "simulated")."""
+    from fast.runtime.simulate import simulate
+
+    if config.run.max_restarts:
+        raise ConfigError('run.max_restarts restarts real processes: leave it at 0 with run.engine = "simulated"')
+    if config.run.device != "cpu":
+        raise ConfigError('the simulated engine runs on the CPU: set run.device = "cpu" with run.engine = "simulated"')
+    # the simulated processes share this one: what each sets process-wide (a script's sys.argv and its __main__
+    # module, set and restored by runpy in the order the tasks interleave) is put back afterwards, or processes
+    # this one starts later would run the script again as their __main__
+    argv, main = list(sys.argv), sys.modules.get("__main__")
+    try:
+        with variables_set(extra_env or {}):
+            survivable = strategy_for(config).survives_failures or config.run.elastic
+            return simulate(fn, config, nprocs, args, survivable=survivable)
+    finally:
+        sys.argv[:] = argv
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def train(
+    config: Any = None,
+    *,
+    out: str | Path | None = None,
+    model_fn: Any = None,
+    step_fn: Any = None,
+    resume: str | Path | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Run one training job to the end; returns the summary (on rank 0; {} on other torchrun ranks)."""
+    config, run_dir = prepare(config, out=out, resume=resume, **overrides)
+    user = UserCode(model_fn=model_fn, step_fn=step_fn, strategy_class=strategy_class(config.strategy.name))
+    if engine.under_torchrun():
+        if config.run.engine == "simulated":
+            raise ConfigError('run.engine = "simulated" runs every worker in one process: start it without torchrun')
+        return train_worker(config, run_dir, user, resume is not None) or {}
+    try:
+        outputs = _start(train_worker, config, run_dir, (config, run_dir, user, resume is not None))
+    finally:
+        release(run_dir)
+    summary = outputs[0]
+    summary["run_dir"] = str(run_dir)
+    return summary
+
+
+# -- fast run SCRIPT ---------------------------------------------------------------------------------------------
+def run_script_process(script: str, argv: list[str]) -> None:
+    """One process of `fast run`: the user's script as __main__ (which calls fast.init); a job it prepared but did
+    not finish is finished here, so that no result is lost."""
+    from fast.runtime import job as jobs
+
+    sys.argv = [script, *argv]
+    add_search_path(str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+    unfinished = jobs.unfinished()
+    if unfinished is not None:
+        if unfinished.is_main:
+            print("fast: the script did not call job.finish(): finishing the run for it", file=sys.stderr)
+        unfinished.finish()
+
+
+def _launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
+    """What the launcher needs of the run (workers, servers, name, restarts, address): `config` and the overrides.
+    Keys that only the script's own config makes valid ([model] width with its factory, say) are left to the
+    script's fast.init, which checks them all."""
+    try:
+        return load_config(config, **overrides)
+    except ConfigError as error:
+        launcher = {k: v for k, v in overrides.items() if k.startswith(("run__", "strategy__", "run.", "strategy."))}
+        try:
+            return load_config(config, **launcher)
+        except ConfigError:
+            raise error from None
+
+
+def run_script(
+    script: str,
+    argv: list[str] | None = None,
+    *,
+    workers: int | None = None,
+    config: str | None = None,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    **overrides: Any,
+) -> dict[str, Any] | None:
+    """`fast run`: the user's `script` in every process of a run. `workers`, `config` (a TOML path) and the
+    dotted `overrides` are the launcher's: the script's fast.init takes its own config and these on top."""
+    if not Path(script).is_file():
+        raise ConfigError(f"fast run: script {script} does not exist: give the path of a Python file")
+    if config is not None and not Path(config).is_file():
+        raise ConfigError(f"fast run --config {config}: no such file: give the path of a TOML file or a package")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"fast run --workers {workers}: a run needs at least 1 worker")
+    dotted = {k.replace("__", "."): v for k, v in overrides.items()}
+    base = _launcher_view(config, overrides)
+    workers = workers or base.run.workers
+    dotted["run.workers"] = workers
+    launcher_config = load_config(base, run__workers=workers)
+    run_dir = Path(resume or out or default_run_dir(launcher_config))
+    env = {
+        "FAST_OVERRIDES": json.dumps(dotted),
+        "FAST_RUN_DIR": str(run_dir.resolve()),
+        **({"FAST_CONFIG": str(Path(config).resolve())} if config else {}),
+        **({"FAST_RESUME": str(Path(resume).resolve())} if resume else {}),
+    }
+    add_search_path(str(Path(script).resolve().parent))
+    env["FAST_CODE_PATH"] = os.environ["FAST_CODE_PATH"]
+    resume_command = " ".join(["fast run --resume {run_dir}", script, *(argv or [])])
+    with claimed(run_dir):
+        _start(run_script_process, launcher_config, run_dir, (str(Path(script).resolve()), list(argv or [])), env,
+               resume_command)  # fmt: skip
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        return None
+    summary = json.loads(summary_file.read_text())
+    summary["run_dir"] = str(run_dir)
+    return summary
