@@ -149,14 +149,14 @@ job.finish()
     ("before", "init", "wrap", "message"),
     [
         ("import torch.distributed as dist; dist.init_process_group('gloo')", "", "",
-         "fast: error: fast.init: the default process group is already initialised (the script's "
+         "fast.init: the default process group is already initialised (the script's "
          "init_process_group): remove that call and its destroy_process_group; fast.init forms the group itself, "
          "and job.finish() ends it"),
         ("", "", "model = torch.nn.parallel.DistributedDataParallel(model)",
-         "fast: error: job.prepare: the model is wrapped in DistributedDataParallel, which would average its "
+         "job.prepare: the model is wrapped in DistributedDataParallel, which would average its "
          "gradients a second time: give prepare the module itself (drop DDP(...), or pass model.module)"),
         ("", "run__workers=3", "",
-         "fast: error: torchrun started 2 processes but the config's run.workers = 3 needs 3: leave run.workers "
+         "torchrun started 2 processes but the config's run.workers = 3 needs 3: leave run.workers "
          "out to take torchrun's world, or start 3 (--nproc-per-node/--nnodes)"),
     ],
     ids=["process-group-already-there", "ddp-wrapped-model", "torchrun-world-differs"],
@@ -167,7 +167,31 @@ def test_what_a_ddp_script_keeps_by_mistake_is_one_line_with_the_fix(tmp_path, b
     done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", str(script)], cwd=tmp_path, env=ENV,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0
-    assert message in done.stderr, done.stderr[-2000:]
+    assert f"fast: error: worker 0: {message}" in done.stderr, done.stderr[-2000:]  # each rank says it, named
+
+
+DEADLINE_SCRIPT = """
+import time, torch, fast
+job = fast.init(run__deadline_s=3)
+model = torch.nn.Linear(4, 2)
+model, optimizer = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for it in range(10):
+    model(torch.randn(8, 4)).sum().backward(); optimizer.step(); optimizer.zero_grad()
+    if it == 5 and job.rank == 0:
+        time.sleep(8)  # a long evaluation on rank 0 alone
+job.finish()
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "fast run"])
+def test_a_deadline_on_worker_1_is_reported_as_worker_1s(tmp_path, no_orphans, launcher):
+    script = tmp_path / "script.py"
+    script.write_text(DEADLINE_SCRIPT)
+    start = [TORCHRUN, "--nproc-per-node", "2"] if launcher == "torchrun" else [FAST, "run", "--workers", "2"]
+    done = subprocess.run([*start, str(script)], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    said = "worker 1: " if launcher == "torchrun" else "worker 1 failed: "
+    assert f"fast: error: {said}all_reduce with the group [0, 1] passed its 3s deadline" in done.stderr, done.stderr
 
 
 def test_a_compiled_models_file_loads_into_its_own_class(tmp_path):

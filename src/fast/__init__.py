@@ -29,11 +29,21 @@ def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
     if isinstance(error, FastError):
         # the process's own stderr: torch's hook (installed by init_process_group, and calling this one) reads
         # sys.stderr into a buffer it would print after this hook returns, which sys.exit never does
-        print(f"fast: error: {error}", file=sys.__stderr__ or sys.stderr)
+        print(f"fast: error: {_which_worker()}{error}", file=sys.__stderr__ or sys.stderr)
         sys.exit(error.exit_code)
     if isinstance(error, FileNotFoundError) and _abandoned(tb):
         return
     _excepthook(kind, error, tb)
+
+
+def _which_worker() -> str:
+    """"worker R: " in a process of a run another launcher started (torchrun), whose output mixes every rank's
+    (FAST's own launcher names the worker itself)."""
+    import os
+
+    if os.environ.get("FAST_LAUNCHER") or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return ""
+    return f"worker {os.environ.get('RANK', '?')}: "
 
 
 def _abandoned(tb: Any) -> bool:
