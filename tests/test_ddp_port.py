@@ -221,3 +221,15 @@ def test_a_hugging_face_gpt2_trains_in_a_users_loop(tmp_path, no_orphans, strate
     assert summary["samples"] == 2 * 40 * 8  # counted from input_ids, a keyword argument
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert losses[-1] < 0.9 * losses[0]  # (3.71 to 3.06 under sync, the first record at step 20)
+
+
+def test_under_diloco_a_gradscaler_overflow_reaches_that_workers_scaler(tmp_path, no_orphans):
+    out = tmp_path / "fast"
+    out.mkdir()
+    _run([FAST, "run", "--workers", "2", "--out", str(tmp_path / "run"), "--set", "strategy.name=diloco", "--set",
+          "strategy.period=4", str(SCRIPTS / "overflow.py"), "fast", str(out), "5"], tmp_path)  # fmt: skip
+    ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    # its gradients stay on the worker: its own scaler skips the step and backs off, the other's goes on
+    assert ranks[1]["scales"] == [2.0**16] * 5 + [2.0**15] * 7 and ranks[0]["scales"] == [2.0**16] * 12
+    assert all(bool(t.isfinite().all()) for r in ranks for t in r["state"].values())
+    assert _summary(tmp_path / "run")["steps_skipped_by_the_loop"] == 1

@@ -37,7 +37,7 @@ def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
 
 
 def _which_worker() -> str:
-    """"worker R: " in a process of a run another launcher started (torchrun), whose output mixes every rank's
+    """ "worker R: " in a process of a run another launcher started (torchrun), whose output mixes every rank's
     (FAST's own launcher names the worker itself)."""
     import os
 

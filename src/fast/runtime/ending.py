@@ -418,8 +418,9 @@ class Ending:
             "max_staleness": max(staleness) if staleness else None,
             "staleness_histogram": {str(k): v for k, v in sorted(Counter(staleness).items())} or None,
             "skipped_steps": sum(p["skipped_steps"] for p in everyone),
-            # steps the user's loop did not take (a GradScaler's overflow), on worker 0
-            "steps_skipped_by_the_loop": everyone[0].get("steps_skipped_by_the_loop", 0),
+            # steps the user's loop did not take (a GradScaler's overflow): the most on any worker (under sync every
+            # worker skips the same ones)
+            "steps_skipped_by_the_loop": max(p.get("steps_skipped_by_the_loop", 0) for p in trainers),
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
             "replica_divergence": final.get("divergence"),
             "worker_test_accuracy": (

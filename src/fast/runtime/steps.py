@@ -179,8 +179,9 @@ class StepDriver:
             grads = [p.grad for p in self.params if p.grad is not None]
             if not all_finite(grads):
                 self.bad = True
-                for g in grads:
-                    g.zero_()
+                if not self.strategy.gradients_stay_local(self.step):  # nothing non-finite leaves the worker
+                    for g in grads:
+                        g.zero_()
         with timeline.span("strategy.after_backward", "communicate"):
             try:
                 self.strategy.after_backward(self.step)

@@ -119,6 +119,12 @@ class Strategy:
         self.nobody_contributed = False  # the last exchange had data from no worker (all have ended): if it knows
         self.compensation: MomentumCompensation | None = None
 
+    def gradients_stay_local(self, step: int) -> bool:
+        """Whether this step's gradients never leave the worker: a non-finite one is then left for the user's
+        GradScaler to see (which skips the step and backs off), not zeroed; FAST's guard still skips the step if
+        the loop steps anyway."""
+        return False
+
     def make_codec(self) -> Codec | None:
         """This worker's codec from `[codec]` (fast.exchange.allreduce.worker_codec), or None for dense."""
         codec = self.ctx.config.codec

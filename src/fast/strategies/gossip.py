@@ -112,6 +112,9 @@ class Gossip(Strategy):
             self.patient, message, [ranks[j] for j in self.round.sends], [ranks[j] for j in self.round.takes]
         )
 
+    def gradients_stay_local(self, step: int) -> bool:
+        return True  # the replicas travel, not their gradients
+
     def after_backward(self, step: int) -> None:
         arrived, lost, gone = self.exchange.finish()
         if gone and self.ctx.config.run.elastic:  # the membership drops the peer: this step is taken again

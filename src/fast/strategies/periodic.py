@@ -59,6 +59,9 @@ class PeriodicAveraging(Strategy):
         """Local steps done once step `step` is."""
         return step + 1 - self.options.warmup_steps
 
+    def gradients_stay_local(self, step: int) -> bool:
+        return not self.warming_up(step)  # (warm-up steps average gradients)
+
     def after_backward(self, step: int) -> None:
         if self.warming_up(step):
             grads = flat_gradients(self.trainable)
