@@ -2,6 +2,7 @@
 outside the checkout, gives the `fast` command and package, and runs a user's script on 2 workers from there."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -30,9 +31,12 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_wheel_installed_outside_the_checkout_runs_fast_run_on_a_users_script(tmp_path):
-    wheels = tmp_path / "wheels"
+    source, wheels = tmp_path / "source", tmp_path / "wheels"  # built from a copy: the checkout gets no build/
+    shutil.copytree(ROOT / "src" / "fast", source / "src" / "fast", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-          str(ROOT)], tmp_path)  # fmt: skip
+          str(source)], tmp_path)  # fmt: skip
     (wheel,) = wheels.glob("fast_training-*.whl")  # the distribution's name: PyPI's "fast" is another project's
     env = tmp_path / "env"
     _run([sys.executable, "-m", "venv", "--without-pip", str(env)], tmp_path)
