@@ -233,3 +233,22 @@ def test_under_diloco_a_gradscaler_overflow_reaches_that_workers_scaler(tmp_path
     assert ranks[1]["scales"] == [2.0**16] * 5 + [2.0**15] * 7 and ranks[0]["scales"] == [2.0**16] * 12
     assert all(bool(t.isfinite().all()) for r in ranks for t in r["state"].values())
     assert _summary(tmp_path / "run")["steps_skipped_by_the_loop"] == 1
+
+
+def test_two_backwards_into_one_step_are_accumulation_not_a_skipped_step(tmp_path):
+    script = tmp_path / "accumulate.py"
+    script.write_text(
+        "import torch, fast\n"
+        "job = fast.init(out='run')\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "model, optimizer = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "for _ in range(3):\n"
+        "    for _ in range(2):  # no zero_grad between: the gradients add up\n"
+        "        model(torch.randn(8, 4)).sum().backward()\n"
+        "    optimizer.step(); optimizer.zero_grad()\n"
+        "job.finish()\n"
+    )
+    _run([sys.executable, str(script)], tmp_path)
+    summary = _summary(tmp_path / "run")
+    assert summary["steps_per_worker"] == 3 and summary["steps_skipped_by_the_loop"] == 0
+    assert summary["samples"] == 3 * 2 * 8

@@ -132,7 +132,7 @@ class StepDriver:
         self.samples += _batch_size(args, kwargs or {})
         if not self.began:
             self.begin()
-        elif self.backward_done and not self.accumulating:
+        elif self.backward_done and not self.accumulating and self._gradients_cleared():
             self._retake()
         self._accumulate(self.in_no_sync or not getattr(module, "require_backward_grad_sync", True))
         if self.autocast is not None:
@@ -151,9 +151,15 @@ class StepDriver:
         timeline.open_span("forward+backward", "compute")
         self.computing = True
 
+    def _gradients_cleared(self) -> bool:
+        """Whether the gradients were cleared (zero_grad) since the backward: a loop that skipped its step, not one
+        that accumulates into them."""
+        return all(p.grad is None or not bool(p.grad.any()) for p in self.params)
+
     def _retake(self) -> None:
-        """A forward after the step's backward, and no optimizer.step between: the loop skipped the step (a
-        GradScaler that found an overflow skips it on every worker). The next backward makes the step anew."""
+        """A forward after the step's backward, no optimizer.step between and the gradients cleared: the loop
+        skipped the step (a GradScaler that found an overflow skips it on every worker). The next backward makes
+        the step anew."""
         self.backward_done = self.bad = False
         self.strategy.gradients_were_bad = self.strategy.skips_step = False
         self.loop_skipped += 1
