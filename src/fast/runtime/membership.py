@@ -300,6 +300,7 @@ class Member:
         except (RuntimeError, ValueError):  # the launcher and its store are gone
             raise RunEnded(f"the run's membership at {address} does not answer: the run has ended") from None
         self._stop = threading.Event()
+        self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
         self._beats.start()
 
@@ -309,6 +310,7 @@ class Member:
             try:
                 store.set(PREFIX + f"heartbeat/{self.id}", repr(time.time()))
                 evicted = _get(store, f"evict/{self.id}")
+                self._asked_to_stop = self._asked_to_stop or bool(store.check([PREFIX + "stopping"]))
             except Exception:  # the run's launcher is gone: the lifeline ends this process
                 return
             if evicted is not None and not _closed(store):  # [faults] churn: a crash, or SIGTERM
@@ -386,8 +388,9 @@ class Member:
         self.store.add(PREFIX + f"suspicions/{generation}", 1)
 
     def stopping(self) -> bool:
-        """Whether `fast stop` asked the run to end (the members end together at their next boundary)."""
-        return bool(self.store.check([PREFIX + "stopping"]))
+        """Whether `fast stop` asked the run to end (the members end together at their next boundary); read by the
+        heartbeat every HEARTBEAT_S, so that a step asks the store nothing more."""
+        return self._asked_to_stop
 
     def leave(self, how: str) -> None:
         try:
