@@ -70,6 +70,7 @@ def steps_of(comm: Comm, side: str, model_name: str, steps: int) -> tuple[float,
             F.cross_entropy(net(x), y).backward()
             if strategy is not None:
                 strategy.after_backward(step)
+                strategy.before_optimizer_step()
             optimizer.step()
         cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
     return cpu / steps, wall / steps

@@ -223,13 +223,16 @@ def test_a_hugging_face_gpt2_trains_in_a_users_loop(tmp_path, no_orphans, strate
     assert losses[-1] < 0.9 * losses[0]  # (3.71 to 3.06 under sync, the first record at step 20)
 
 
-def test_under_diloco_a_gradscaler_overflow_reaches_that_workers_scaler(tmp_path, no_orphans):
+@pytest.mark.parametrize("strategy", [["strategy.name=diloco", "strategy.period=4"], ["strategy.name=async-ps"]],
+                         ids=["diloco", "async-ps"])  # fmt: skip
+def test_where_gradients_are_not_averaged_an_overflow_reaches_only_that_workers_scaler(tmp_path, no_orphans, strategy):
     out = tmp_path / "fast"
     out.mkdir()
-    _run([FAST, "run", "--workers", "2", "--out", str(tmp_path / "run"), "--set", "strategy.name=diloco", "--set",
-          "strategy.period=4", str(SCRIPTS / "overflow.py"), "fast", str(out), "5"], tmp_path)  # fmt: skip
+    _run([FAST, "run", "--workers", "2", "--out", str(tmp_path / "run"), *(f"--set={s}" for s in strategy),
+          str(SCRIPTS / "overflow.py"), "fast", str(out), "5"], tmp_path)  # fmt: skip
     ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
-    # its gradients stay on the worker: its own scaler skips the step and backs off, the other's goes on
+    # its gradients stay on the worker until its optimizer steps (diloco: for the period; async-ps: the push to
+    # the servers is made then, unscaled): its own scaler skips the step and backs off, the other's goes on
     assert ranks[1]["scales"] == [2.0**16] * 5 + [2.0**15] * 7 and ranks[0]["scales"] == [2.0**16] * 12
     assert all(bool(t.isfinite().all()) for r in ranks for t in r["state"].values())
     assert _summary(tmp_path / "run")["steps_skipped_by_the_loop"] == 1

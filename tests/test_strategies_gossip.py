@@ -132,6 +132,7 @@ def _mix_to_consensus(comm: Comm, strategies: list[dict]) -> list[dict]:
         for step in range(100):
             gossip.before_step(step)
             gossip.after_backward(step)
+            gossip.before_optimizer_step()
             optimizer.step()
             gossip.after_optimizer_step(step)
         final = gossip.flat_parameters()

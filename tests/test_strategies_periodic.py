@@ -62,6 +62,7 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         strategy.after_backward(t)
+        strategy.before_optimizer_step()
         optimizer.step()
         if on_step is not None:
             on_step(t, "before", model, strategy)

@@ -61,6 +61,7 @@ def _drive(world: Comm, workers: int, overrides: dict) -> torch.Tensor | None:
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x[step]), y[step]).backward()
         strategy.after_backward(step)
+        strategy.before_optimizer_step()
         optimizer.step()
         strategy.after_optimizer_step(step)
     strategy.end_of_run()

@@ -57,6 +57,7 @@ def _train(
         F.cross_entropy(model(xb), yb).backward()
         if strategy is not None:
             strategy.after_backward(t)
+            strategy.before_optimizer_step()
         optimizer.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 

@@ -89,6 +89,27 @@ def device_for(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
+_told_sharing = False
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on the CPU; on CUDA, NCCL when each of this machine's processes has a GPU of its own, else gloo, which
+    moves CUDA tensors through host memory (NCCL refuses two ranks on one GPU)."""
+    if device.type != "cuda":
+        return "gloo"
+    global _told_sharing
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+    if sharing and os.environ.get("LOCAL_RANK", "0") == "0" and not _told_sharing:  # once, not at each regroup
+        _told_sharing = True
+        print(
+            f"fast: {os.environ['LOCAL_WORLD_SIZE']} workers share {torch.cuda.device_count()} GPU(s) on this "
+            "machine: gloo carries their tensors (NCCL needs a GPU per worker)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return "gloo" if sharing else "nccl"
+
+
 def start(
     rank: int,
     world_size: int,
@@ -98,9 +119,9 @@ def start(
     deadline_s: float,
     make_comm: Callable[..., Comm] = Comm,
 ) -> Comm:
-    """Join the job's default process group (gloo on CPU, NCCL on CUDA) and return its `Comm`, made by
+    """Join the job's default process group (`backend_for` the device) and return its `Comm`, made by
     `make_comm(deadline_s=..., device=...)` (an emulated one, say, whose traffic crosses emulated links)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     timeout = timedelta(seconds=deadline_s)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:  # under torchrun: across machines, say
         os.environ.update(gloo_interface(addr, say=os.environ.get("LOCAL_RANK", "0") == "0"))
@@ -135,7 +156,7 @@ def start_group(
     """Form a default process group of `world_size` over `store` (one generation of an elastic run's membership,
     fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
     groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     with_deadline(None, deadline_s)

@@ -221,19 +221,26 @@ class Comm:
         return self.counter.unmetered()
 
     # -- point to point ----------------------------------------------------------------------------------
+    def _through_host(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` must cross as a CPU copy: gloo's point-to-point moves host memory only (its collectives
+        take CUDA tensors; two workers sharing one GPU have gloo, fast.comm.bootstrap.backend_for)."""
+        return tensor.is_cuda and dist.get_backend(self.group) == "gloo"
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
+        tensor = tensor.cpu() if self._through_host(tensor) else tensor
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
         return Handle(work, "send", f"worker {dst}", self.deadline_s)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         peer = f"worker {src}" if src is not None else "any worker"
-        work = post("recv", peer, self.deadline_s, dist.irecv, tensor, src=src, group=self.group, tag=tag)
+        landing = torch.empty_like(tensor, device="cpu") if self._through_host(tensor) else tensor
+        work = post("recv", peer, self.deadline_s, dist.irecv, landing, src=src, group=self.group, tag=tag)
 
         def done() -> torch.Tensor:
             peer = src if src is not None else sender_of(work, self.group)
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
-            return tensor
+            return tensor.copy_(landing) if landing is not tensor else tensor
 
         return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
 

@@ -358,7 +358,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             raise UsageError("job.prepare: the model is wrapped in DistributedDataParallel, which would average its "
                              "gradients a second time: give prepare the module itself (drop DDP(...), or pass "
                              "model.module)")  # fmt: skip
-        model.to(self.device)
+        self._place(model)
         self.model, self.optimizer = model, optimizer
         if self.world_size > self.workers and self.is_main:
             layout = ModelLayout.of(model)
@@ -381,6 +381,19 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.trained_s = offset
         self._pace_from = (self.step, offset)  # the workers' pace, for the next check, is timed from here
         return model, optimizer
+
+    def _place(self, model: nn.Module) -> None:
+        """Put the model on the run's device; but a user's loop that placed its model on a GPU itself (a ported DDP
+        script's `model.to(f"cuda:{local_rank}")`) and set no run.device trains there: the job, its buffers and its
+        collectives follow the model (the backend made at init, gloo, carries CUDA tensors)."""
+        placed = next(model.parameters(), torch.empty(0)).device
+        follows = not self.loop_is_fast and "device" not in self.config.run.model_fields_set
+        if not (follows and placed.type == "cuda" and self.device.type == "cpu"):
+            model.to(self.device)
+            return
+        self.device = self.context.device = placed
+        for comm in self._own_groups():
+            comm.device, comm.local_sums = placed, None  # shared-memory sums hold CPU tensors
 
     def validate_with(self, score: Callable[[nn.Module], float]) -> None:
         """The score of a replica for `final_model = "best"` (higher is better), e.g. validation accuracy."""

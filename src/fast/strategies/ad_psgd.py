@@ -78,6 +78,7 @@ class ADPSGD(AsyncPeers):
         # corrections from averagings the listener answered, folded into the replica before each step
         self.pending = torch.zeros(self.state.numel)
         self.answered = self.started = self.lost_messages = 0
+        self.writing = False
         self.open_mailbox(self.peers.ever, self.state.numel, self.peers.forget, tag=REQUEST)
 
     def _current(self) -> torch.Tensor:
@@ -120,11 +121,19 @@ class ADPSGD(AsyncPeers):
             self.answered_at_read = self.answered
 
     def after_backward(self, step: int) -> None:
-        self.lock.acquire()  # the optimizer writes the replica now; released in after_optimizer_step
         self.staleness.append(self.answered - self.answered_at_read)
 
+    def before_optimizer_step(self) -> None:
+        super().before_optimizer_step()
+        # the optimizer writes the replica now; released in after_optimizer_step. Taken here, in the loop's own
+        # thread, not in after_backward: on a GPU that runs in autograd's device thread, which cannot release it
+        self.lock.acquire()
+        self.writing = True
+
     def after_optimizer_step(self, step: int) -> None:
-        self.lock.release()
+        if self.writing:  # (a step without data has no optimizer step)
+            self.writing = False
+            self.lock.release()
         self.deaths.own_step = step + 1
         for peer in self.peers.targets(step):
             self._average_with(peer, step)

@@ -108,7 +108,13 @@ class AsyncPS(ServerStrategy):
                 for server, (start, end) in zip(self.servers, self.bounds, strict=True):
                     self.line.send(flat[start:end].contiguous(), server, FINAL_TAG)
 
-    def after_backward(self, step: int) -> None:
+    def gradients_stay_local(self, step: int) -> bool:
+        return True  # until the optimizer steps (below), where FAST's guard has cleared a non-finite one
+
+    def before_optimizer_step(self) -> None:
+        # the gradients are taken as the optimizer would see them: after a GradScaler's unscale_ and the loop's
+        # clipping (at backward they are still scaled), and not at all when a GradScaler skips the step
+        super().before_optimizer_step()
         params = list(self.model.parameters())
         self.accumulated += flat_gradients(params).detach()
         if not self.options.local_steps:  # the local optimizer then skips every parameter
