@@ -171,24 +171,39 @@ def test_what_a_ddp_script_keeps_by_mistake_is_one_line_with_the_fix(tmp_path, b
 
 
 DEADLINE_SCRIPT = """
-import time, torch, fast
+import os, signal, sys, time, torch, fast
 job = fast.init(run__deadline_s=3)
 model = torch.nn.Linear(4, 2)
 model, optimizer = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 for it in range(10):
     model(torch.randn(8, 4)).sum().backward(); optimizer.step(); optimizer.zero_grad()
     if it == 5 and job.rank == 0:
-        time.sleep(8)  # a long evaluation on rank 0 alone
+        if sys.argv[1] == "evaluates":
+            time.sleep(8)  # a long evaluation on rank 0 alone
+        else:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, but neither computing nor communicating
 job.finish()
 """
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "fast run"])
-def test_a_deadline_on_worker_1_is_reported_as_worker_1s(tmp_path, no_orphans, launcher):
+def _deadline_script(tmp_path: Path, launcher: str, rank_0: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(DEADLINE_SCRIPT)
     start = [TORCHRUN, "--nproc-per-node", "2"] if launcher == "torchrun" else [FAST, "run", "--workers", "2"]
-    done = subprocess.run([*start, str(script)], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    return subprocess.run([*start, str(script), rank_0], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+
+
+def test_an_evaluation_on_rank_0_longer_than_the_deadline_is_waited_for(tmp_path, no_orphans):
+    done = _deadline_script(tmp_path, "fast run", "evaluates")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("fast: worker 1: worker 0 computed past run.deadline_s (3s) while this one waited (an evaluation on one "
+            "rank?): waiting on, up to 1800s") in done.stderr  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "fast run"])
+def test_a_deadline_on_worker_1_is_reported_as_worker_1s(tmp_path, no_orphans, launcher):
+    done = _deadline_script(tmp_path, launcher, "freezes")
     assert done.returncode != 0
     said = "worker 1: " if launcher == "torchrun" else "worker 1 failed: "
     assert f"fast: error: {said}all_reduce with the group [0, 1] passed its 3s deadline" in done.stderr, done.stderr

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fast.comm import timeline
 from fast.comm.accounting import ByteCounter
+from fast.comm.busy import BusyBoard
 from fast.comm.waiting import waiting
 from fast.errors import CommError, CommTimeout
 
@@ -42,7 +43,8 @@ INTERRUPT_POLL_S = 0.25
 
 class Handle:
     """A pending operation. `wait()` enforces the deadline and returns the operation's result. With
-    `interrupted` (a live membership's groups), the wait also gives up as soon as `interrupted()` says why."""
+    `interrupted` (a live membership's groups), the wait also gives up as soon as `interrupted()` says why; with
+    `patience`, a wait past its deadline goes on while `patience(seconds waited)` says so (a peer computing)."""
 
     def __init__(
         self,
@@ -53,10 +55,11 @@ class Handle:
         result: Any = None,
         on_done: Callable[[], Any] | None = None,
         interrupted: Callable[[], str | None] | None = None,
+        patience: Callable[[float], bool] | None = None,
     ) -> None:
         self._work, self.op, self.peer, self.deadline_s = work, op, peer, deadline_s
         self._result, self._on_done, self._done = result, on_done, work is None
-        self._interrupted = interrupted
+        self._interrupted, self._patience = interrupted, patience
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
@@ -79,17 +82,25 @@ class Handle:
         return self._result
 
     def _wait(self, deadline_s: float) -> None:
-        if self._interrupted is None:
+        if self._interrupted is None and self._patience is None:
             self._work.wait(timedelta(seconds=deadline_s))
             return
-        end = time.monotonic() + deadline_s
+        poll = INTERRUPT_POLL_S if self._interrupted is not None else deadline_s
+        start = time.monotonic()
+        end = start + deadline_s
         while True:  # a backend's wait that times out can be waited on again (gloo)
             try:
-                self._work.wait(timedelta(seconds=max(0.001, min(INTERRUPT_POLL_S, end - time.monotonic()))))
+                self._work.wait(timedelta(seconds=max(0.001, min(poll, end - time.monotonic()))))
                 return
             except Exception as e:
-                if "timed out" not in str(e).lower() or time.monotonic() >= end:
+                if "timed out" not in str(e).lower():
                     raise
+                if time.monotonic() >= end:
+                    if self._patience is None or not self._patience(time.monotonic() - start):
+                        raise
+                    end = time.monotonic() + deadline_s
+            if self._interrupted is None:
+                continue
             reason = self._interrupted()
             if reason is not None:
                 raise CommError(f"{self.op} with {self.peer} given up: {reason}")
@@ -157,6 +168,7 @@ class Comm:
         self.local_sums: Any = None
         # a live membership's groups: why a wait should give up now (a newer membership), or None (Handle)
         self.interrupted: Callable[[], str | None] | None = None
+        self.busy: BusyBoard | None = None  # a lock-step run's: its collectives wait on for a peer that computes
         # a live membership's groups: how long making a group waits for its members (a member may be gone)
         self.connect_s: float | None = None
 
@@ -213,7 +225,7 @@ class Comm:
         """A Comm of the same kind over another group, sharing this one's byte counter (and interruption)."""
         comm = Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
                     rank=self.rank, world_size=self._world_size)  # fmt: skip
-        comm.interrupted, comm.connect_s = self.interrupted, self.connect_s
+        comm.interrupted, comm.connect_s, comm.busy = self.interrupted, self.connect_s, self.busy
         return comm
 
     def unmetered(self) -> Any:
@@ -370,4 +382,10 @@ class Comm:
         right, left = self._ring_neighbours()
         self.counter.add_sent(right, round(nbytes * send_share))
         self.counter.add_received(left, round(nbytes * (send_share if receive_share is None else receive_share)))
-        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted)
+        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted,
+                      self.patience())  # fmt: skip
+
+    def patience(self) -> Callable[[float], bool] | None:
+        """What a collective of this group past its deadline asks whether to wait on (`Handle`), if anything."""
+        busy = self.busy
+        return None if busy is None else lambda waited: busy.patience(self.ranks, self.deadline_s, waited)

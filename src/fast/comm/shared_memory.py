@@ -81,7 +81,8 @@ class SharedMemorySum:
             self.comm.counter.add_sent(rank, nbytes)
             self.comm.counter.add_received(rank, nbytes)
         group = f"the group {self.comm.ranks}"
-        return Handle(_Round(self, self.round), "all_reduce", group, self.comm.deadline_s, result=self.tensor)
+        return Handle(_Round(self, self.round), "all_reduce", group, self.comm.deadline_s, result=self.tensor,
+                      patience=self.comm.patience())  # fmt: skip
 
     def finish(self, round_: int, deadline: float) -> None:
         """Sum this member's chunk once every member's values are in, then take the whole sum once it is done."""

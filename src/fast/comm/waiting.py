@@ -9,6 +9,19 @@ from contextlib import contextmanager
 from fast.comm import timeline, timing
 
 _local = threading.local()
+_in_waits = 0  # threads of this process inside `waiting()` now
+_count_lock = threading.Lock()
+
+
+def waiting_now() -> bool:
+    """Whether a thread of this process is waiting on communication now (else it computes, or idles)."""
+    return _in_waits > 0
+
+
+def _count(change: int) -> None:
+    global _in_waits
+    with _count_lock:
+        _in_waits += change
 
 
 def waited_s() -> float:
@@ -22,6 +35,8 @@ def waiting() -> Iterator[None]:
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     started = timing.now()
+    if depth == 0:
+        _count(1)
     try:
         if depth:
             yield
@@ -31,4 +46,5 @@ def waiting() -> Iterator[None]:
     finally:
         _local.depth = depth
         if depth == 0:
+            _count(-1)
             _local.seconds = waited_s() + timing.now() - started

@@ -35,6 +35,8 @@ from torch import nn
 from fast.assemble import load_config, world_size
 from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
+from fast.comm.busy import BUSY_LIMIT_S, BusyBoard
+from fast.comm.comm import with_deadline
 from fast.comm.patience import PatientGroup
 from fast.comm.shared_memory import LocalSums
 from fast.config import Config
@@ -267,6 +269,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             serving=self.machine.serving,
         )
         self.strategy: Strategy = build_strategy(config, self.context)
+        self.busy = self._busy_board()
         point_to_point = self.strategy.survives_failures and not self.elastic  # (membership re-forms the group)
         if not self.elastic:
             self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
@@ -318,6 +321,17 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.final_eval_seconds: list[float] = []
 
     # -- who -------------------------------------------------------------------------------------------------------
+    def _busy_board(self) -> BusyBoard | None:
+        """A lock-step run's board (fast.comm.busy): its collectives wait on for a peer that computes past the
+        deadline (an evaluation on one rank) and give up on one that is frozen or waits itself."""
+        if self.elastic or self.simulated or self.world_size == 1 or not self.lockstep:
+            return None
+        board = BusyBoard(torch.distributed.distributed_c10d._get_default_store(), self.rank, f"worker {self.rank}")
+        with_deadline(None, self.config.run.deadline_s + BUSY_LIMIT_S)  # the backend's own limit, past FAST's
+        for comm in self._own_groups():
+            comm.busy = board
+        return board
+
     def _own_groups(self) -> list[Comm]:
         """The world and, when it is another, this process's group in it (workers or servers)."""
         return [self.world] if self.comm is self.world else [self.world, self.comm]
@@ -605,6 +619,8 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             self._close_membership()
         self.driver.detach()
         self.records.close()
+        if self.busy is not None:
+            self.busy.close()
         if not self.simulated:
             engine.stop()
         if self.alone:
