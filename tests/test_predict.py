@@ -140,3 +140,22 @@ strategy = { name = "local-sgd", period = 64 }
     assert "first to the target, if all need as many epochs: rarely" in text
     assert main(["predict", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_fast_predict_takes_a_package_as_fast_train_does(tmp_path, capsys):
+    import fast
+
+    job = {"data": {"name": "digits"}, "model": {"name": "mlp"}, "run": {"workers": 2, "batch_size": 32},
+           "network": {"bandwidth": "20Mbit", "latency": "20ms"}}  # fmt: skip
+    archive = fast.pack(job, tmp_path / "mlp.fastjob", open_keys=("strategy.*",))
+    source = predict(load_config(job), dataset=load_dataset("digits"))
+    assert main(["predict", str(archive), "--set", "data.name=digits"]) == 0
+    out = capsys.readouterr().out
+    assert "model packed (mlp.fastjob): 50,826 parameters" in out and " sync " in out
+    packed = print_predictions(str(archive), Console(width=200), data__name="digits", strategy__name="local-sgd")
+    assert packed[0].strategy == "local-sgd" and packed[0].message_bytes == source.message_bytes == MLP_BYTES
+    assert packed[0].link == source.link == LINK
+    # the package was made for 8x8 digits, not the synthetic data's 28x28
+    assert main(["predict", str(archive), "--set", "data.name=synthetic"]) == 2
+    assert "the package was made for float32 of shape (1, 8, 8)" in capsys.readouterr().err
+    assert main(["predict", str(tmp_path / "missing.toml"), "--set", "run.workers=3"]) == 2

@@ -87,7 +87,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from fast.tools.predict import print_predictions
 
-    print_predictions(args.config)
+    print_predictions(args.config, **_overrides(args.set, args.trust))
     return 0
 
 
@@ -168,7 +168,9 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--workers", "-n", type=int, help="number of workers (implied by torus:RxC)")
     top.set_defaults(func=cmd_topology)
     pr = sub.add_parser("predict", help="predict each variant's step and epoch time and traffic, without training")
-    pr.add_argument("config", help="TOML config, optionally with [[variant]] tables")
+    pr.add_argument("config", help="TOML config, optionally with [[variant]] tables, or JOB.fastjob")
+    pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a package: the owner's keys")
+    pr.add_argument("--trust", metavar="KEY.pub", help="a package: only if this author's key signed it")
     pr.set_defaults(func=cmd_predict)
     c = sub.add_parser("compare", help="run a base job's [[variant]]s one after another and report them")
     c.add_argument("config", help="TOML config: a base job plus [[variant]] tables overriding its keys")

@@ -36,7 +36,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from torch import nn
+from torch.utils.data import TensorDataset
 
+from fast.archive import PACKAGE_SUFFIX
 from fast.assemble import load_config, world_size
 from fast.config import Config, _describe
 from fast.errors import ConfigError
@@ -161,6 +163,7 @@ def predict(
     dataset: Dataset | None = None,
     compute_s: float | None = None,
     model: nn.Module | None = None,
+    step_fn: Any = None,
 ) -> Prediction:
     """The predicted step of one config; `compute_s` (one step's computation) is measured when not given."""
     from fast.jobs.models import build_model
@@ -190,15 +193,15 @@ def predict(
     if not has_cost_model(config):
         return replace(base, problem=f"no cost model for strategy {config.strategy.name!r}")
     if compute_s is None:
-        compute_s = measure_compute_s(config, dataset, model)
-    catch_up = price_catch_up(config, model, dataset, link) if run.elastic else None
+        compute_s = measure_compute_s(config, dataset, model, step_fn)
+    catch_up = price_catch_up(config, model, dataset, link, step_fn) if run.elastic else None
     try:
         return replace(base, cost=price(config, nbytes, compute_s), catch_up=catch_up)
     except ConfigError as e:
         return replace(base, problem=str(e))
 
 
-def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Link) -> CatchUp:
+def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Link, step_fn: Any = None) -> CatchUp:
     """A joiner's catch-up: the bytes of the state a live peer sends it (the weights and the optimizer's state
     after a step, as saved, and the strategy's own: `Strategy.catch_up_copies`), over the slowest link; with
     `[faults] churn`, a joiner every (lifetime + absence) / (workers - 1) seconds once the run is in its stride
@@ -210,7 +213,7 @@ def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Lin
     model = copy.deepcopy(model).cpu().train()
     optimizer = build_optimizer(config.optimizer, model.parameters())
     x, y = dataset.x_train[: config.run.batch_size], dataset.y_train[: config.run.batch_size]
-    cross_entropy_step(model, x, y).backward()
+    (step_fn or cross_entropy_step)(model, x, y).backward()
     optimizer.step()  # the optimizer's state exists from the first step on
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
@@ -240,9 +243,40 @@ def config_for_prediction(data: dict[str, Any]) -> Config:
         raise ConfigError(_describe(e)) from None
 
 
-def predict_variants(source: str | Path | dict[str, Any]) -> list[Prediction]:
+def predict_package(source: str | Path, **overrides: Any) -> list[Prediction]:
+    """The prediction for a packed job (with the data owner's keys on top, as `fast train` takes them): its own
+    model and loss, timed on the data set the config names."""
+    from fast.jobs.loop import packaged
+    from fast.jobs.package import PackedModel, check_data, packed_step
+
+    config = load_config(source, **overrides)
+    dataset = _dataset(config)
+    package = packaged(config)
+    check_data(package.schema, TensorDataset(dataset.x_train[:1], dataset.y_train[:1]), "training")
+    model = _CountedPackage(PackedModel(package), dataset.y_train[:1])
+    prediction = predict(config, dataset=dataset, model=model, step_fn=lambda m, x, y: packed_step(m.packed, x, y))
+    return [replace(prediction, model=f"packed ({Path(source).name})")]
+
+
+class _CountedPackage(nn.Module):
+    """A packed model called as `forward(x)`, which FLOP counting does: with labels shaped like the data's."""
+
+    def __init__(self, packed: nn.Module, label: torch.Tensor) -> None:
+        super().__init__()
+        self.packed, self.label = packed, label
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.packed(x, self.label.expand(len(x), *self.label.shape[1:]))
+
+
+def predict_variants(source: str | Path | dict[str, Any], **overrides: Any) -> list[Prediction]:
     """A prediction per variant of a config (the base alone when it has no [[variant]]), measuring the
-    compute time once per distinct (data, model, batch size, optimizer, threads)."""
+    compute time once per distinct (data, model, batch size, optimizer, threads); a packed job's own."""
+    if isinstance(source, str | Path) and str(source).endswith(PACKAGE_SUFFIX):
+        return predict_package(source, **overrides)
+    if overrides:
+        raise ConfigError("fast predict: --set and --trust apply to a packed job (JOB.fastjob); in a config, edit "
+                          "the keys or add [[variant]] tables")  # fmt: skip
     found = variants(source)
     if not found:
         base = load_config(source)
@@ -292,10 +326,12 @@ def prediction_table(predictions: list[Prediction]) -> Table:
     return table
 
 
-def print_predictions(source: str | Path | dict[str, Any], console: Console | None = None) -> list[Prediction]:
-    """`fast predict CONFIG.toml`: the table, the links it assumed, and the models' CC ratios."""
+def print_predictions(
+    source: str | Path | dict[str, Any], console: Console | None = None, **overrides: Any
+) -> list[Prediction]:
+    """`fast predict CONFIG.toml` (or JOB.fastjob): the table, the links it assumed, and the models' CC ratios."""
     console = console or Console(width=max(Console().width, 110))
-    predictions = predict_variants(source)
+    predictions = predict_variants(source, **overrides)
     console.print(prediction_table(predictions))
     for link in sorted({p.link for p in predictions}, key=lambda x: (x.latency_s, x.bandwidth_Bps)):
         where = {LOOPBACK: "native loopback", SHARED_MEMORY: "shared memory, one machine"}.get(
