@@ -98,7 +98,15 @@ def write_run(
             "run": {"workers": workers, "targets": [0.5, 0.8]},
             "strategy": {"name": strategy},
             "codec": {"name": codec},
-            "network": {"bandwidth_mbps": 100, "latency_ms": 5, "jitter_ms": 1, "loss": 0.001},
+            "network": {
+                "bandwidth_mbps": 100,
+                "latency_ms": 5,
+                "jitter_ms": 1,
+                "loss": 0.001,
+                "sites": None,
+                "links": [],
+                "site_of": {},
+            },  # unset: not shown
             "compute": {"stragglers": [3], "slowdown": 2.0},
         },
         "env": {"python": "3.11", "torch": "2.13.0", "host": "test"},
@@ -179,6 +187,7 @@ def test_report_shows_deployment_and_events(report: Path) -> None:
         "slowdown",
     ]:
         assert text in deployment
+    assert "sites" not in deployment and "links" not in deployment and "site of" not in deployment
     events = html[html.index('<section id="events">') : html.index('<section id="runs">')]
     assert "async-ps" in events and "3 skipped steps" in events and "crash" in events
 
@@ -279,3 +288,16 @@ def test_bad_inputs_raise_one_line_errors(tmp_path: Path) -> None:
         load_run(tmp_path / "nameless")
     with pytest.raises(ConfigError, match="no run folders"):
         build_report([], tmp_path / "report.html")
+
+
+def test_a_curve_of_one_point_shows_and_is_named(run_dirs: list[Path], tmp_path: Path) -> None:
+    """Gossip and ssp measure divergence at the final (collective) evaluation only: one point, drawn as a marker."""
+    lone = write_run(tmp_path / "ssp", "ssp", "ssp", speed=40, final_accuracy=0.8, bytes_per_step=4_000_000,
+                     divergence=0.01)  # fmt: skip
+    records = [json.loads(line) for line in (lone / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "divergence" in r][-1]
+    kept = [r for r in records if "divergence" not in r or r is last]
+    (lone / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    html = build_report([*run_dirs, lone], tmp_path / "report.html").read_text()
+    figure = html[html.index("<h3>Replica divergence vs wall time</h3>") :]
+    assert "One point only: ssp." in figure[: figure.index("<h3>", 5)]

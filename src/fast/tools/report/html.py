@@ -166,9 +166,15 @@ def _humanize(key: str) -> str:
     return key.replace("_", " ")
 
 
+def _given(table: dict) -> dict:
+    """A config table without its unset entries (None, empty tables and lists): only what a deployment has."""
+    return {key: value for key, value in table.items() if value is not None and value != {} and value != []}
+
+
 def _describe(value: Any) -> str:
     """A config value as compact HTML: scalars as text, tables as `key: value` lists, lists item by item."""
     if isinstance(value, dict):
+        value = _given(value)
         if not value:
             return MISSING
         lines = [f"{escape(_humanize(str(k)))}: {_inline(v)}" for k, v in value.items()]
@@ -182,7 +188,7 @@ def _inline(value: Any) -> str:
     if value is None:
         return MISSING
     if isinstance(value, dict):
-        return ", ".join(f"{escape(_humanize(str(k)))}: {_inline(v)}" for k, v in value.items()) or MISSING
+        return ", ".join(f"{escape(_humanize(str(k)))}: {_inline(v)}" for k, v in _given(value).items()) or MISSING
     if isinstance(value, list):
         return "[" + ", ".join(_inline(item) for item in value) + "]"
     if isinstance(value, bool):

@@ -136,7 +136,7 @@ def _line_figure(plot: LinePlot, all_variants: list[Variant]) -> ReportFigure:
                 ys,
                 color=v.colour,
                 linestyle=v.linestyle,
-                marker="o" if plot.markers and len(xs) <= 40 else None,
+                marker="o" if (plot.markers and len(xs) <= 40) or len(xs) == 1 else None,  # a lone point shows
                 markersize=3.5,
                 drawstyle="steps-post" if plot.steps else "default",
                 label=v.label,
@@ -150,7 +150,9 @@ def _line_figure(plot: LinePlot, all_variants: list[Variant]) -> ReportFigure:
         if plot.counts:
             axes.yaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlim(left=0)
-        return ReportFigure(plot.title, _encode(figure, axes), _missing_note(curves))
+        lone = [v.label for v, xs, _ in drawn if len(xs) == 1]
+        note = " ".join(filter(None, [_missing_note(curves), f"One point only: {', '.join(lone)}." if lone else ""]))
+        return ReportFigure(plot.title, _encode(figure, axes), note)
 
 
 def _staleness_figure(all_variants: list[Variant]) -> ReportFigure:
