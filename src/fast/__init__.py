@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__version__ = "0.1.0"
+from fast.version import __version__
+
 _excepthook = sys.excepthook
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fast.comm import Comm
-from fast.comm.comm import with_deadline
+from fast.comm.comm import Comm, with_deadline
 from fast.errors import ConfigError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

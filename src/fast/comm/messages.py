@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from fast.comm import Handle, MessageLost, timing
+from fast.comm import timing
+from fast.comm.comm import Handle, MessageLost
 from fast.comm.patience import PatientGroup, wait_for_senders
 from fast.errors import CommError
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-import fast
 from fast.comm import tags, timing
 from fast.comm.timeline import chrome_trace, shares
 from fast.emulation.deployment import describe as describe_deployment
@@ -35,6 +34,7 @@ from fast.runtime import files
 from fast.runtime.evaluation import metrics_of
 from fast.strategies.base import pick_replica
 from fast.targets import best
+from fast.version import __version__
 
 END_TAG = tags.END_OF_RUN
 
@@ -47,7 +47,7 @@ def environment() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return {
-        "fast_version": fast.__version__,
+        "fast_version": __version__,
         "git_commit": commit or None,
         "torch_version": torch.__version__,
         "python": platform.python_version(),

@@ -24,7 +24,6 @@ import tomli_w
 import torch
 from torch import nn
 
-from fast import __version__
 from fast.archive import FORMAT, MANIFEST, SIGNATURE, encode_tensors, read_package, sha256
 from fast.assemble import load_config
 from fast.config import Config
@@ -33,6 +32,7 @@ from fast.factories import load_factory
 from fast.jobs.loop import UserCode, datasets, model_for, step_for
 from fast.ownership import check_patterns
 from fast.program import read_graph
+from fast.version import __version__
 
 MetricFn = Callable[[Any, torch.Tensor], dict[str, torch.Tensor]]
 AUTHOR_TABLES = ("model", "step", "eval", "data", "package")  # the author's code and data: not in the package
