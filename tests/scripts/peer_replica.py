@@ -1,9 +1,11 @@
 """One replica of a small job trained by FAST or by torchft, to hold one implementation against the other:
-    python peer_replica.py fast OUT_DIR diloco|local-sgd                     (under fast run --workers 2)
-    python peer_replica.py torchft OUT_DIR diloco|local-sgd REPLICA LIGHTHOUSE
-The same model and initial weights, the same inner optimizer (AdamW), the same batches for replica r under either
-system, H = 4 steps a round, 3 rounds; DiLoCo's outer optimizer is SGD with Nesterov momentum (lr 0.7, 0.9). Each
-replica saves its weights after every round to OUT_DIR/replica<r>.pt."""
+    python peer_replica.py fast OUT_DIR STRATEGY                     (under fast run --workers 2)
+    python peer_replica.py torchft OUT_DIR STRATEGY REPLICA LIGHTHOUSE
+STRATEGY: diloco, local-sgd or streaming-diloco. The same model and initial weights, the same inner optimizer
+(AdamW), the same batches for replica r under either system, H = 4 steps a round, 3 rounds; DiLoCo's outer optimizer
+is SGD with Nesterov momentum (lr 0.7, 0.9). Streaming: 2 fragments (the model's two layers: the sizes put FAST's
+cut between them), no delay, α = 0; torchft's first fragment syncs H/P steps in and FAST's at step 0 of the period,
+so torchft gets FAST's fragment 1 first. Each replica saves its weights after every H steps to OUT_DIR/replica<r>.pt."""
 
 import sys
 from datetime import timedelta
@@ -15,13 +17,15 @@ system, out, strategy = sys.argv[1], sys.argv[2], sys.argv[3]
 PERIOD, ROUNDS = 4, 3
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+STREAMING = {"fragments": 2, "delay": 0, "alpha": 0.0}
 inner = torch.optim.AdamW(model.parameters(), lr=0.01)
 
 if system == "fast":
     import fast
 
-    job = fast.init(strategy__name=strategy, strategy__period=PERIOD)
+    options = {"period": PERIOD, **(STREAMING if strategy == "streaming-diloco" else {})}
+    job = fast.init(strategy__name=strategy, **{f"strategy__{key}": value for key, value in options.items()})
     replica = job.rank
     model, inner = job.prepare(model, inner)
     context = None
@@ -49,9 +53,11 @@ else:
         # replica that heals sits out that round's average (torchft's rule)
         init_sync=False,
     )
-    if strategy == "diloco":
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        context = DiLoCo(manager, [model], inner, outer, sync_every=PERIOD)
+    if strategy in ("diloco", "streaming-diloco"):
+        fragments = [model] if strategy == "diloco" else [model[2], model[0]]
+        outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
+        context = DiLoCo(manager, fragments, inner, outer, sync_every=PERIOD, fragment_sync_delay=0,
+                         fragment_update_alpha=0.0)  # fmt: skip
     else:
         context = LocalSGD(manager, model, inner, sync_every=PERIOD)
     context.__enter__()
