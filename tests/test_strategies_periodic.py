@@ -237,3 +237,29 @@ def test_async_easgd_runs_with_a_master_and_reports_the_center(tmp_path, no_orph
 def test_impossible_options_are_config_errors_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, **overrides)
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "local-sgd"])
+def test_a_users_loop_that_ends_on_a_round_keeps_that_rounds_weights(tmp_path, no_orphans, strategy):
+    """Workers whose loops have ended take steps without data until they agree to stop: a round in which no worker
+    moved changes nothing (before, DiLoCo's outer momentum went on moving θ with zero pseudo-gradients)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "peer_replica.py"
+    fast_bin = str(Path(sys.executable).parent / "fast")
+    env = {**os.environ, "FAST_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([fast_bin, "run", "--workers", "2", "--out", str(tmp_path / "run"), str(script), "fast",
+                           str(tmp_path), strategy], env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for replica in (0, 1):
+        last_round = torch.load(tmp_path / f"replica{replica}.pt", weights_only=True)[-1]
+        final = torch.load(tmp_path / f"replica{replica}-final.pt", weights_only=True)
+        for name, tensor in last_round.items():
+            assert torch.equal(final[name], tensor), (replica, name)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rounds = summary["outer_rounds"] if strategy == "diloco" else summary["averagings"]
+    assert rounds == 3 and summary["steps_per_worker"] == 12

@@ -75,6 +75,7 @@ for step in range(PERIOD * ROUNDS):
 torch.save(rounds, f"{out}/replica{replica}.pt")
 if system == "fast":
     job.finish()
+    torch.save(model.state_dict(), f"{out}/replica{replica}-final.pt")  # after the run's end: what the user keeps
 else:
     context.__exit__(None, None, None)
     manager.shutdown(wait=False)

@@ -63,7 +63,10 @@ class DiLoCo(PeriodicAveraging):
     def outer_step(self) -> None:
         """Average the pseudo-gradients, step the outer optimizer, and restart every replica from θ."""
         pseudo_gradient = self.theta - self.params.read()
-        self.mean(pseudo_gradient, "pseudo_gradient", [t.shape for t in self.params.tensors])
+        if self.compressed is not None:
+            self.mean(pseudo_gradient, "pseudo_gradient", [t.shape for t in self.params.tensors])
+        elif not self.mean_of_movers(pseudo_gradient):
+            return  # every worker's loop has ended: θ stays as it is (its momentum would still move it)
         self.theta.grad = pseudo_gradient
         self.outer.step()
         self.theta.grad = None

@@ -53,7 +53,8 @@ class LocalSGD(PeriodicAveraging):
             self.state.write(self.anchor)
         else:
             weights = self.state.read()
-            self.comm.all_reduce(weights, op="mean")
+            if not self.mean_of_movers(weights):
+                return  # every worker's loop has ended: the replicas are the last average already
             self.state.write(weights)
         self.averagings += 1
         self.last_averaged = self.last_step

@@ -47,6 +47,25 @@ class PeriodicAveraging(Strategy):
         self.compressed = CompressedAllReduce(self.comm, codec, background=overlapped) if codec is not None else None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.last_step = -1
+        self.moved = False  # this replica took a step since the last round
+
+    def before_optimizer_step(self) -> None:
+        super().before_optimizer_step()
+        self.moved = True  # (a worker whose loop has ended takes steps without data, which do not get here)
+
+    def mean_of_movers(self, tensor: torch.Tensor) -> bool:
+        """Average `tensor` in place over the workers whose replica moved since the last round: a worker whose loop
+        has ended (its steps without data, as with DDP's Join) sends zeros and is not counted. False, and
+        `nobody_contributed`, when no worker moved: the round then changes nothing (no outer step either)."""
+        moved = float(self.moved)
+        self.moved = False
+        buffer = torch.cat([tensor * moved, tensor.new_tensor([moved])])  # the count rides in the same all-reduce
+        self.comm.all_reduce(buffer)
+        count = float(buffer[-1])
+        self.nobody_contributed = count == 0
+        if count:
+            tensor.copy_(buffer[:-1].div_(count))
+        return count > 0
 
     def change_point(self, step: int) -> bool:
         """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""
