@@ -154,8 +154,12 @@ class Ending:
                 self._agree(done=True)
                 continue
             self.driver.null_step()
-            if self.strategy.nobody_contributed:  # every worker has ended (sync's counts say so): end here
-                self._ended_at, self._last_step_of_all = self.step, self.step - 1
+            if self.strategy.nobody_contributed:  # every worker has ended (the exchange's counts say so): end here
+                self._ended_at = self.step
+                # sync's exchange is every step: the one before had data; a round's says only that none moved since
+                # the last round, so the steps known from the last check stand
+                last = self.step - 1 if self.strategy.waits_every_step else max(self._last_step_of_all, joined_at)
+                self._last_step_of_all = last
         if self._last_step_of_all > joined_at:  # (all may end together, between two checks: steps without data)
             self.context.log(
                 f"fast: worker {self.rank} ran out of steps at step {joined_at} while others went on: it took part in "
@@ -181,6 +185,8 @@ class Ending:
         self.trained_s = self.clock.now()
         self.timeline.stop_counting()
         self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
+        if self.lockstep and self.workers > 1 and not self.elastic:
+            self.strategy.steps_of_all = self._last_step_of_all  # the most steps any worker took with data
         self.strategy.end_of_run()
         self.records.close()
         if self.strategy.survives_failures and not self.elastic:  # (an elastic run's members end together)

@@ -116,6 +116,7 @@ class Strategy:
         self.contributing = True  # False in a step without data (a worker that finished early): send nothing of it
         self.gradients_were_bad = False  # set by strategies that `checks_gradients`, per step
         self.skips_step = False  # every worker skips this step: one of them had gradients that were not finite
+        self.steps_of_all: int | None = None  # at the end of a lock-step run: the most steps any worker took
         self.nobody_contributed = False  # the last exchange had data from no worker (all have ended): if it knows
         self.compensation: MomentumCompensation | None = None
 

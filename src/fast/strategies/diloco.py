@@ -80,7 +80,8 @@ class DiLoCo(PeriodicAveraging):
 
     def end_of_run(self) -> None:
         if not self.warming_up(self.last_step) and self.last_round_step != self.last_step:
-            self.outer_step()
+            if self.compressed is not None or self.round_owed(self.last_round_step):
+                self.outer_step()
 
     def final_model(self, choice: str | None = None) -> nn.Module:
         """θ, which every worker holds (no communication); "best" and "worker:K" pick a local replica."""

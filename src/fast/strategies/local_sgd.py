@@ -37,6 +37,7 @@ class LocalSGD(PeriodicAveraging):
             self.anchor = self.state.read().clone()  # the last average, the same on every worker
         self.averagings = 0
         self.last_averaged = -1
+        self.agreed = False
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
@@ -62,7 +63,16 @@ class LocalSGD(PeriodicAveraging):
     def end_of_run(self) -> None:
         # in the warm-up gradients were averaged: the replicas agree
         if not self.warming_up(self.last_step) and self.last_averaged != self.last_step:
-            self.average()
+            if self.compressed is not None or self.round_owed(self.last_averaged):
+                self.average()
+        self.agreed = True  # every replica holds the last average
+
+    def final_model(self, choice: str | None = None) -> nn.Module:
+        """After the run's end every replica is the average (no communication); before it, the average of the
+        replicas; "best" and "worker:K" pick one."""
+        if self.agreed and (choice or self.options.final_model) == "average":
+            return self.model
+        return super().final_model(choice)
 
     def state_dict(self) -> dict[str, Any]:
         """The averaging counters and, with a codec, the last average and the codec's error feedback (the

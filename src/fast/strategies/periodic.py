@@ -53,6 +53,14 @@ class PeriodicAveraging(Strategy):
         super().before_optimizer_step()
         self.moved = True  # (a worker whose loop has ended takes steps without data, which do not get here)
 
+    def round_owed(self, last_round: int) -> bool:
+        """Whether the run's end owes a last round: a worker stepped after the one at step `last_round`. No when
+        that round (or a later one) found that no worker had moved, or when the workers' last check says none
+        took more steps than that (every loop ended on a round: the replicas already agree)."""
+        if self.nobody_contributed:
+            return False
+        return self.steps_of_all is None or self.steps_of_all > last_round + 1
+
     def mean_of_movers(self, tensor: torch.Tensor) -> bool:
         """Average `tensor` in place over the workers whose replica moved since the last round: a worker whose loop
         has ended (its steps without data, as with DDP's Join) sends zeros and is not counted. False, and
