@@ -59,7 +59,10 @@ def test_streaming_diloco_with_one_fragment_no_delay_and_no_mixing_is_diloco(tmp
     streaming = fast.train(None, out=str(tmp_path / "streaming"), strategy__name="streaming-diloco",
                            strategy__fragments=1, strategy__delay=0, strategy__alpha=0.0, **job)  # fmt: skip
     _assert_same_weights(tmp_path / "diloco", tmp_path / "streaming")
-    assert streaming["bytes_sent"] == diloco["bytes_sent"] and streaming["outer_rounds"] == diloco["outer_rounds"]
+    rounds = diloco["outer_rounds"]
+    assert streaming["outer_rounds"] == rounds
+    # diloco's round carries one float more, the count of the workers that moved (3 workers: 4 x 4/3 B each)
+    assert 0 < diloco["bytes_sent"] - streaming["bytes_sent"] <= 3 * rounds * 6
 
 
 def test_streaming_diloco_overlaps_fragments_through_a_codec_and_ends_with_equal_replicas(tmp_path, no_orphans):
