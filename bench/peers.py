@@ -78,11 +78,12 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def run_once(machines: Machines, system: str, strategy: str, steps: int, folder: Path, keep: Path | None = None) -> dict:
+def run_once(machines: Machines, system: str, strategy: str, steps: int, folder: Path) -> dict:
     """Both workers of one system on one strategy; their results, the kernel's bytes and the wall time."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     env = {**os.environ, "FAST_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
     before = machines.sent()
     processes = []
     lighthouse = None
@@ -94,9 +95,8 @@ def run_once(machines: Machines, system: str, strategy: str, steps: int, folder:
         for i in range(WORKERS):
             command = [sys.executable, str(WORKER), system, strategy, str(steps), str(folder),
                        f"http://{ADDRESSES[0]}:29510", ADDRESSES[i]]  # fmt: skip
-            processes.append(subprocess.Popen([*machines.prefix(i), "env", f"REPLICA={i}",
-                                               f"GLOO_SOCKET_IFNAME={machines.devices[i]}", *command], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))  # fmt: skip
+            variables = [f"REPLICA={i}", f"GLOO_SOCKET_IFNAME={machines.devices[i]}"]
+            processes.append(subprocess.Popen([*machines.prefix(i), "env", *variables, *command], **quiet))
     else:
         port = 29400 + (int(time.time()) % 500)
         for i in range(WORKERS):
@@ -104,9 +104,8 @@ def run_once(machines: Machines, system: str, strategy: str, steps: int, folder:
                         str(i), "--master-addr", ADDRESSES[0], "--master-port", str(port), "--local-addr",
                         ADDRESSES[i]]  # fmt: skip
             gloo = [] if system == "fast" else [f"GLOO_SOCKET_IFNAME={machines.devices[i]}"]  # FAST picks its own
-            processes.append(subprocess.Popen([*machines.prefix(i), "env", *gloo, *torchrun, str(WORKER), system,
-                                               strategy, str(steps), str(folder)], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))  # fmt: skip
+            command = [*torchrun, str(WORKER), system, strategy, str(steps), str(folder)]
+            processes.append(subprocess.Popen([*machines.prefix(i), "env", *gloo, *command], **quiet))
     errors = [p.communicate(timeout=1800)[1] for p in processes]
     if lighthouse is not None:
         lighthouse.kill()
@@ -138,9 +137,11 @@ def table(rows: list[dict], link: str) -> str:
         peer = next((medians[s, strategy] for s in ("ddp", "torchft") if (s, strategy) in medians), None)
         ratio = f"{medians[system, strategy] / peer:.3f}" if system == "fast" and peer else ""
         fast_mb = statistics.median(r["fast_bytes"] for r in mine) if system == "fast" else None
+        accuracy = statistics.median(r["accuracy"] for r in mine)
+        wire = statistics.median(r["wire_bytes"] for r in mine)
         lines.append(f"{system:8} {strategy:10} {statistics.median(speeds):>12,.0f} "
-                     f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {statistics.median(r['accuracy'] for r in mine):>9.4f} "
-                     f"{_mb(statistics.median(r['wire_bytes'] for r in mine)):>9} {_mb(fast_mb):>9} {ratio:>10}")  # fmt: skip
+                     f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {accuracy:>9.4f} "
+                     f"{_mb(wire):>9} {_mb(fast_mb):>9} {ratio:>10}")  # fmt: skip
     return "\n".join(lines)
 
 
