@@ -1,6 +1,11 @@
 """ssp, local-sgd, diloco, easgd/eamsgd over real processes: each against sync or against its update rule."""
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,12 +248,6 @@ def test_impossible_options_are_config_errors_naming_the_key(overrides, message)
 def test_a_users_loop_that_ends_on_a_round_keeps_that_rounds_weights(tmp_path, no_orphans, strategy):
     """Workers whose loops have ended take steps without data until they agree to stop: a round in which no worker
     moved changes nothing (before, DiLoCo's outer momentum went on moving θ with zero pseudo-gradients)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).parent / "scripts" / "peer_replica.py"
     fast_bin = str(Path(sys.executable).parent / "fast")
     env = {**os.environ, "FAST_PROGRESS": "0", "OMP_NUM_THREADS": "1"}

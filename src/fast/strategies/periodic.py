@@ -67,7 +67,7 @@ class PeriodicAveraging(Strategy):
         `nobody_contributed`, when no worker moved: the round then changes nothing (no outer step either)."""
         moved = float(self.moved)
         self.moved = False
-        buffer = torch.cat([tensor * moved, tensor.new_tensor([moved])])  # the count rides in the same all-reduce
+        buffer = torch.cat([tensor, tensor.new_ones(1)]).mul_(moved)  # the count rides in the same all-reduce
         self.comm.all_reduce(buffer)
         count = float(buffer[-1])
         self.nobody_contributed = count == 0
