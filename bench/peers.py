@@ -1,17 +1,21 @@
 """FAST held against the systems its users would pick instead, on the same job and the same links, bytes counted by
-the kernel: DDP against FAST `sync`, torchft's LocalSGD and DiLoCo against FAST `local-sgd` and `diloco`.
+the kernel: DDP against FAST `sync`; torchft's LocalSGD, DiLoCo and streaming DiLoCo against FAST `local-sgd`,
+`diloco` and `streaming-diloco`; hivemind's Optimizer with local updates against FAST `local-sgd`.
 
 Two network namespaces stand for two machines, joined by a veth pair whose both ends are capped by `tc ... tbf`
 (this kernel has no `netem`: no added latency). Each system's two workers run one per namespace
-(bench/peers_worker.py: Fashion-MNIST LeNet, batch 64 a worker, rounds every 16 steps), DDP and FAST under
-torchrun's static rendezvous, torchft's replicas with its lighthouse in the first namespace. The systems take turns
-in every round, and each run's bytes on the wire are the veths' own transmit counters.
+(bench/peers_worker.py: Fashion-MNIST LeNet, or the language model of examples/lm; rounds every 16 steps), DDP and
+FAST under torchrun's static rendezvous, torchft's replicas with its lighthouse in the first namespace, hivemind's
+peers on a DHT the first one starts. The systems take turns in every round, and each run's bytes on the wire are the
+veths' own transmit counters.
 
-    sudo .venv/bin/python bench/peers.py [--steps 160] [--rounds 5] [--links unlimited,10mbit]
+    sudo .venv/bin/python bench/peers.py [--jobs lenet,lm] [--steps 160] [--rounds 5] [--links unlimited,10mbit]
+                                         [--lm-links unlimited] [--systems fast,torchft,...]
 
 Needs root (namespaces) and the peers extra (pip install -e '.[peers]'); says so in one line and exits otherwise.
-Prints per link a table: system, strategy, samples/s (median and range over rounds), final test accuracy (median),
-MB on the wire by the kernel, MB FAST counted, and FAST's samples/s against the peer's on the same strategy.
+Prints per job and link a table: system, strategy, samples/s (median and range over rounds), the final metric
+(median), MB on the wire by the kernel, MB FAST counted, the lines each system adds to a plain loop, the seconds of
+its end of run (apart from the samples/s), and FAST's samples/s against each peer's on the same strategy.
 """
 
 from __future__ import annotations
@@ -32,9 +36,16 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "peers_worker.py"
 BIN = Path(sys.executable).parent
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
-PAIRS = [("ddp", "sync"), ("fast", "sync"), ("torchft", "local-sgd"), ("fast", "local-sgd"),
-         ("torchft", "diloco"), ("fast", "diloco")]  # fmt: skip
-BATCH, WORKERS = 64, 2
+PAIRS = [("ddp", "sync"), ("fast", "sync"), ("torchft", "local-sgd"), ("hivemind", "local-sgd"),
+         ("fast", "local-sgd"), ("torchft", "diloco"), ("fast", "diloco"), ("torchft", "streaming-diloco"),
+         ("fast", "streaming-diloco")]  # fmt: skip
+PEERS = ("ddp", "torchft", "hivemind")
+BATCH, WORKERS = {"lenet": 64, "lm": 16}, 2
+# the lines each system adds to a plain training loop (its branch in bench/peers_worker.py, imports and the end of
+# the run included, options on one line): DDP init, wrap, destroy; FAST import, init, prepare, finish; torchft
+# its store, manager, strategy context, enter, exit, shutdown; hivemind its DHT (the second peer given the first's
+# address), Optimizer, shutdowns
+USER_LINES = {"ddp": 5, "fast": 4, "torchft": 9, "hivemind": 7}
 
 
 class Machines:
@@ -78,7 +89,7 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def run_once(machines: Machines, system: str, strategy: str, steps: int, folder: Path) -> dict:
+def run_once(machines: Machines, system: str, strategy: str, job: str, steps: int, folder: Path) -> dict:
     """Both workers of one system on one strategy; their results, the kernel's bytes and the wall time."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -87,14 +98,16 @@ def run_once(machines: Machines, system: str, strategy: str, steps: int, folder:
     before = machines.sent()
     processes = []
     lighthouse = None
+    arguments = [str(WORKER), system, strategy, job, str(steps), str(folder)]
     if system == "torchft":
         lighthouse = subprocess.Popen([*machines.prefix(0), str(BIN / "torchft_lighthouse"), "--min_replicas", "2",
                                        "--bind", f"{ADDRESSES[0]}:29510"], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)  # fmt: skip
         time.sleep(1.0)
+    if system in ("torchft", "hivemind"):
         for i in range(WORKERS):
-            command = [sys.executable, str(WORKER), system, strategy, str(steps), str(folder),
-                       f"http://{ADDRESSES[0]}:29510", ADDRESSES[i]]  # fmt: skip
+            where = [f"http://{ADDRESSES[0]}:29510"] if system == "torchft" else []
+            command = [sys.executable, *arguments, *where, ADDRESSES[i]]
             variables = [f"REPLICA={i}", f"GLOO_SOCKET_IFNAME={machines.devices[i]}"]
             processes.append(subprocess.Popen([*machines.prefix(i), "env", *variables, *command], **quiet))
     else:
@@ -104,8 +117,7 @@ def run_once(machines: Machines, system: str, strategy: str, steps: int, folder:
                         str(i), "--master-addr", ADDRESSES[0], "--master-port", str(port), "--local-addr",
                         ADDRESSES[i]]  # fmt: skip
             gloo = [] if system == "fast" else [f"GLOO_SOCKET_IFNAME={machines.devices[i]}"]  # FAST picks its own
-            command = [*torchrun, str(WORKER), system, strategy, str(steps), str(folder)]
-            processes.append(subprocess.Popen([*machines.prefix(i), "env", *gloo, *command], **quiet))
+            processes.append(subprocess.Popen([*machines.prefix(i), "env", *gloo, *torchrun, *arguments], **quiet))
     errors = [p.communicate(timeout=1800)[1] for p in processes]
     if lighthouse is not None:
         lighthouse.kill()
@@ -114,67 +126,89 @@ def run_once(machines: Machines, system: str, strategy: str, steps: int, folder:
         raise RuntimeError(f"{system} {strategy} failed: {errors[0][-2000:]}{errors[1][-2000:]}")
     results = [json.loads((folder / f"result{r}.json").read_text()) for r in range(WORKERS)]
     seconds = max(r["seconds"] for r in results)
-    return {"system": system, "strategy": strategy, "samples_per_s": WORKERS * BATCH * results[0]["steps"] / seconds,
-            "accuracy": results[0]["accuracy"], "wire_bytes": machines.sent() - before,
-            "fast_bytes": results[0].get("fast_bytes_sent")}  # fmt: skip
+    return {"system": system, "strategy": strategy, "job": job, "metric": results[0]["metric"],
+            "value": results[0]["value"], "samples_per_s": WORKERS * BATCH[job] * results[0]["steps"] / seconds,
+            "end_s": max(r["end_s"] for r in results), "wire_bytes": machines.sent() - before,
+            "fast_bytes": results[0].get("fast_bytes_sent"),
+            "averaging_rounds": results[0].get("averaging_rounds")}  # fmt: skip
 
 
 def _mb(value: float | None) -> str:
     return "—" if value is None else f"{value / 1e6:,.1f}"
 
 
-def table(rows: list[dict], link: str) -> str:
-    lines = [f"\nlink: {link} (both directions; no added latency: this kernel has no netem)",
-             f"{'system':8} {'strategy':10} {'samples/s (median, range)':>30} {'accuracy':>9} {'MB wire':>9} "
-             f"{'MB FAST':>9} {'FAST/peer':>10}"]  # fmt: skip
+def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -> str:
+    metric = rows[0]["metric"]
+    lines = [f"\njob: {job}, link: {link} (both directions; no added latency: this kernel has no netem)",
+             f"{'system':8} {'strategy':17} {'samples/s (median, range)':>28} {metric:>10} {'MB wire':>8} "
+             f"{'MB FAST':>8} {'lines':>5} {'end s':>6}  FAST/peer"]  # fmt: skip
     medians = {}
-    for system, strategy in PAIRS:
+    for system, strategy in pairs:
         mine = [r for r in rows if r["system"] == system and r["strategy"] == strategy]
         if not mine:
             continue
         speeds = [r["samples_per_s"] for r in mine]
         medians[system, strategy] = statistics.median(speeds)
-        peer = next((medians[s, strategy] for s in ("ddp", "torchft") if (s, strategy) in medians), None)
-        ratio = f"{medians[system, strategy] / peer:.3f}" if system == "fast" and peer else ""
+        ratios = ""
+        if system == "fast":
+            peers = [(s, medians[s, strategy]) for s in PEERS if (s, strategy) in medians]
+            ratios = ", ".join(f"{medians[system, strategy] / speed:.3f} ({s})" for s, speed in peers)
         fast_mb = statistics.median(r["fast_bytes"] for r in mine) if system == "fast" else None
-        accuracy = statistics.median(r["accuracy"] for r in mine)
+        value = statistics.median(r["value"] for r in mine)
         wire = statistics.median(r["wire_bytes"] for r in mine)
-        lines.append(f"{system:8} {strategy:10} {statistics.median(speeds):>12,.0f} "
-                     f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {accuracy:>9.4f} "
-                     f"{_mb(wire):>9} {_mb(fast_mb):>9} {ratio:>10}")  # fmt: skip
+        end = statistics.median(r["end_s"] for r in mine)
+        lines.append(f"{system:8} {strategy:17} {statistics.median(speeds):>10,.0f} "
+                     f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {value:>10.4f} "
+                     f"{_mb(wire):>8} {_mb(fast_mb):>8} {USER_LINES[system]:>5} {end:>6.2f}  {ratios}")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", default="lenet,lm", help="comma-separated: lenet, lm")
     parser.add_argument("--steps", type=int, default=160, help="steps a worker, a multiple of 16")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--links", default="unlimited,10mbit", help="comma-separated: unlimited or a tbf rate")
+    parser.add_argument("--links", default="unlimited,10mbit", help="LeNet's links, comma-separated: unlimited or "
+                        "a tbf rate")  # fmt: skip
+    parser.add_argument("--lm-links", default="unlimited", help="the language model's (its sync at 10 Mbit/s "
+                        "takes minutes a run)")  # fmt: skip
+    parser.add_argument("--systems", default=",".join(dict.fromkeys(s for s, _ in PAIRS)), help="comma-separated")
     parser.add_argument("--json", help="also write every run's figures here")
     args = parser.parse_args()
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("bench/peers.py: skipped: network namespaces need root and iproute2")
         return 0
-    if importlib.util.find_spec("torchft") is None:
-        print("bench/peers.py: skipped: the peers extra is not installed: pip install -e '.[peers]'")
+    missing = [name for name in ("torchft", "hivemind") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"bench/peers.py: skipped: the peers extra is not installed ({', '.join(missing)}): "
+              "pip install -e '.[peers]'")  # fmt: skip
         return 0
+    systems = args.systems.split(",")
+    pairs = [(system, strategy) for system, strategy in PAIRS if system in systems]
     machines = Machines()
     runs = []
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            for link in args.links.split(","):
-                machines.cap(None if link == "unlimited" else link)
-                rows = []
-                for round_ in range(args.rounds):
-                    order = PAIRS if round_ % 2 == 0 else PAIRS[::-1]  # alternate who goes first
-                    for system, strategy in order:
-                        row = run_once(machines, system, strategy, args.steps, Path(scratch) / "run")
-                        rows.append({**row, "link": link, "round": round_})
-                        print(f"  {link} round {round_ + 1}: {system} {strategy} {row['samples_per_s']:,.0f} "
-                              f"samples/s, accuracy {row['accuracy']:.4f}, {_mb(row['wire_bytes'])} MB on the wire",
-                              flush=True)  # fmt: skip
-                print(table(rows, link), flush=True)
-                runs += rows
+            for job in args.jobs.split(","):
+                for link in (args.links if job == "lenet" else args.lm_links).split(","):
+                    machines.cap(None if link == "unlimited" else link)
+                    rows = []
+                    for round_ in range(args.rounds):
+                        order = pairs if round_ % 2 == 0 else pairs[::-1]  # alternate who goes first
+                        for system, strategy in order:
+                            try:
+                                row = run_once(machines, system, strategy, job, args.steps, Path(scratch) / "run")
+                            except RuntimeError as e:  # once more, saying so (a peer's exit can crash)
+                                print(f"  {job} {link} round {round_ + 1}: {str(e).splitlines()[0][:200]}; again")
+                                row = run_once(machines, system, strategy, job, args.steps, Path(scratch) / "run")
+                            rows.append({**row, "link": link, "round": round_})
+                            print(f"  {job} {link} round {round_ + 1}: {system} {strategy} "
+                                  f"{row['samples_per_s']:,.0f} samples/s, {row['metric']} {row['value']:.4f}, "
+                                  f"{_mb(row['wire_bytes'])} MB on the wire, end {row['end_s']:.2f} s"
+                                  + (f", {row['averaging_rounds']} averagings" if system == "hivemind" else ""),
+                                  flush=True)  # fmt: skip
+                    print(table(rows, job, link, pairs), flush=True)
+                    runs += rows
     finally:
         machines.close()
     if args.json:
