@@ -7,9 +7,9 @@ Fashion-MNIST, LeNet-5, 4 local workers, batch 64 each, every link emulated (`[n
 trains `--steps` steps through `fast compare` (evaluation only at the end, off the clock). The measured
 step time is the run's wall time over its steps; the predicted one is `fast.perfmodel` fed with the run's
 own measured compute time per step (the slowest worker's work, its communication waits left out) and
-the link, as in summary.json's `predicted_step_time_s`. Target: `sync`, `local-sgd`, `gossip`, both `ssp`
-exchanges, `diloco` and `streaming-diloco` within 25% (measured/predicted between 0.75 and 1.25); the others are
-shown for reference.
+the link, as in summary.json's `predicted_step_time_s`. Target: `sync` (dense, and with top-k frames all-gathered),
+`local-sgd`, `gossip`, both `ssp` exchanges, `diloco`, `streaming-diloco` and `ad-psgd` within 25%
+(measured/predicted between 0.75 and 1.25); the others are shown for reference.
 """
 
 from __future__ import annotations
@@ -23,10 +23,21 @@ from typing import Any
 import fast
 
 TOLERANCE = 0.25
-CHECKED = ("sync", "local-sgd", "gossip-torus", "ssp", "ssp-allreduce", "streaming-diloco", "diloco")
+CHECKED = (
+    "sync",
+    "sync-topk-ef",
+    "local-sgd",
+    "gossip-torus",
+    "ssp",
+    "ssp-allreduce",
+    "streaming-diloco",
+    "diloco",
+    "ad-psgd",
+)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"strategy": {"name": "sync"}},
+    "sync-topk-ef": {"strategy": {"name": "sync"}, "codec": {"name": "topk", "ratio": 0.01, "error_feedback": True}},
     "local-sgd": {"strategy": {"name": "local-sgd", "period": 8}},
     "gossip-torus": {"strategy": {"name": "gossip", "topology": "torus:2x2"}},
     "async-ps": {"strategy": {"name": "async-ps", "servers": 1}},

@@ -10,7 +10,7 @@ peers on a DHT the first one starts. The systems take turns in every round, and 
 veths' own transmit counters.
 
     sudo .venv/bin/python bench/peers.py [--jobs lenet,lm] [--steps 160] [--rounds 5] [--links unlimited,10mbit]
-                                         [--lm-links unlimited] [--systems fast,torchft,...]
+                                         [--lm-links unlimited] [--systems fast,torchft,...] [--strategies ...]
 
 Needs root (namespaces) and the peers extra (pip install -e '.[peers]'); says so in one line and exits otherwise.
 Prints per job and link a table: system, strategy, samples/s (median and range over rounds), the final metric
@@ -173,6 +173,7 @@ def main() -> int:
     parser.add_argument("--lm-links", default="unlimited", help="the language model's (its sync at 10 Mbit/s "
                         "takes minutes a run)")  # fmt: skip
     parser.add_argument("--systems", default=",".join(dict.fromkeys(s for s, _ in PAIRS)), help="comma-separated")
+    parser.add_argument("--strategies", default=",".join(dict.fromkeys(s for _, s in PAIRS)), help="comma-separated")
     parser.add_argument("--json", help="also write every run's figures here")
     args = parser.parse_args()
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -183,8 +184,8 @@ def main() -> int:
         print(f"bench/peers.py: skipped: the peers extra is not installed ({', '.join(missing)}): "
               "pip install -e '.[peers]'")  # fmt: skip
         return 0
-    systems = args.systems.split(",")
-    pairs = [(system, strategy) for system, strategy in PAIRS if system in systems]
+    systems, strategies = args.systems.split(","), args.strategies.split(",")
+    pairs = [(system, strategy) for system, strategy in PAIRS if system in systems and strategy in strategies]
     machines = Machines()
     runs = []
     try:

@@ -93,10 +93,16 @@ class StreamingDiLoCo(PeriodicAveraging):
         self.thetas = [state.read().clone() for state in self.local]  # the shared weights of each fragment
         self.outer = torch.optim.SGD(self.thetas, lr=o.outer_lr, momentum=o.outer_momentum,
                                      nesterov=o.outer_nesterov and o.outer_momentum > 0)  # fmt: skip
-        self.in_flight: dict[int, tuple[int, Callable[[], torch.Tensor]]] = {}  # fragment -> (lands at, mean Δ)
+        self.in_flight: dict[int, tuple[int, Callable[[], torch.Tensor | None]]] = {}  # fragment -> (lands at, mean Δ)
         self.last_round = [-1] * o.fragments  # the step of each fragment's last round
+        self.steps_taken = 0  # this replica's optimizer steps (steps without data, after its loop ended, are not)
+        self.steps_at_round = [0] * o.fragments  # steps_taken when each fragment's last round started
         self.rounds = 0
         self.channel = self.comm.separate_group() if self.compressed is None else None
+
+    def before_optimizer_step(self) -> None:
+        super().before_optimizer_step()
+        self.steps_taken += 1
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
@@ -125,15 +131,22 @@ class StreamingDiLoCo(PeriodicAveraging):
         self.in_flight.clear()  # the rounds under way went with the old group; their local steps are kept
 
     def _start(self, p: int, step: int) -> None:
-        """Fragment p's round: its pseudo-gradient starts on its way; it lands `delay` steps later."""
-        delta = self.thetas[p] - self.local[p].read()
+        """Fragment p's round: its pseudo-gradient starts on its way; it lands `delay` steps later. Its mean is over
+        the workers whose replica moved since the fragment's last round (a worker whose loop has ended sends zeros
+        and is not counted); when none moved, the round changes nothing (no outer step, which Nesterov momentum
+        would otherwise take on a zero pseudo-gradient: the final θ would depend on how many steps without data
+        the workers took before agreeing to stop)."""
+        moved = float(self.steps_taken > self.steps_at_round[p])
+        self.steps_at_round[p] = self.steps_taken
+        delta = (self.thetas[p] - self.local[p].read()).mul_(moved)
         if self.compressed is not None:
             shapes = [t.shape for t in self.local[p].tensors]
-            pending = self.compressed.start(delta, f"fragment{p}", shapes=shapes)
-            self.in_flight[p] = (step + self.options.delay, lambda: delta.div_(pending.wait()))
+            pending = self.compressed.start(delta, f"fragment{p}", shapes=shapes, count=torch.tensor([moved]))
+            self.in_flight[p] = (step + self.options.delay, lambda: _mean(delta, pending.wait()))
         else:
-            handle = self.channel.all_reduce(delta, async_op=True)
-            self.in_flight[p] = (step + self.options.delay, lambda: handle.wait().div_(self.comm.size))
+            buffer = torch.cat([delta, delta.new_ones(1).mul_(moved)])  # the count rides in the same all-reduce
+            handle = self.channel.all_reduce(buffer, async_op=True)
+            self.in_flight[p] = (step + self.options.delay, lambda: _mean(handle.wait()[:-1], float(buffer[-1])))
         self.last_round[p] = step
         if p == 0 and self.buffers.numel:
             buffers = self.buffers.read()
@@ -143,8 +156,12 @@ class StreamingDiLoCo(PeriodicAveraging):
     @torch.no_grad()
     def _land(self, p: int, alpha: float) -> None:
         """Fragment p's round completes: the mean Δ steps θ_p, and the local fragment moves to θ_p."""
-        _, mean = self.in_flight.pop(p)
-        self.thetas[p].grad = mean()
+        _, mean_of = self.in_flight.pop(p)
+        mean = mean_of()
+        self.nobody_contributed = mean is None  # no worker moved since this fragment's last round: all have ended
+        if mean is None:
+            return
+        self.thetas[p].grad = mean
         self.outer.step()
         self.thetas[p].grad = None
         local = self.local[p].read()
@@ -187,7 +204,7 @@ class StreamingDiLoCo(PeriodicAveraging):
             for theta, saved in zip(self.thetas, state["thetas"], strict=True):
                 theta.copy_(saved)
         self.outer.load_state_dict(state["outer"])
-        landing = {int(p): (int(at), m.clone()) for p, (at, m) in state["in_flight"].items()}
+        landing = {int(p): (int(at), None if m is None else m.clone()) for p, (at, m) in state["in_flight"].items()}
         self.in_flight = {p: (at, lambda m=m: m) for p, (at, m) in landing.items()}
         self.last_round, self.rounds = list(state["last_round"]), int(state["rounds"])
         self.last_step = int(state["last_step"])
@@ -196,3 +213,8 @@ class StreamingDiLoCo(PeriodicAveraging):
 
     def summary(self) -> dict[str, Any]:
         return {"outer_rounds": self.rounds, "fragments": len(self.local), "final_model": "theta"}
+
+
+def _mean(summed: torch.Tensor, count: float) -> torch.Tensor | None:
+    """The mean of a sum over `count` workers, in place; None when no worker contributed."""
+    return summed.div_(count) if count else None
