@@ -7,7 +7,8 @@ Two network namespaces stand for two machines, joined by a veth pair whose both 
 (bench/peers_worker.py: Fashion-MNIST LeNet, or the language model of examples/lm; rounds every 16 steps), DDP and
 FAST under torchrun's static rendezvous, torchft's replicas with its lighthouse in the first namespace, hivemind's
 peers on a DHT the first one starts. The systems take turns in every round, and each run's bytes on the wire are the
-veths' own transmit counters.
+veths' own transmit counters. Round r runs every system with seed r (initial weights and data order), so that the
+samples/s compare within a round and the final metric's range over the rounds is each system's spread over seeds.
 
     sudo .venv/bin/python bench/peers.py [--jobs lenet,lm] [--steps 160] [--rounds 5] [--links unlimited,10mbit]
                                          [--lm-links unlimited] [--systems fast,torchft,...] [--strategies ...]
@@ -89,11 +90,11 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def run_once(machines: Machines, system: str, strategy: str, job: str, steps: int, folder: Path) -> dict:
+def run_once(machines: Machines, system: str, strategy: str, job: str, steps: int, folder: Path, seed: int) -> dict:
     """Both workers of one system on one strategy; their results, the kernel's bytes and the wall time."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    env = {**os.environ, "FAST_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "FAST_PROGRESS": "0", "OMP_NUM_THREADS": "1", "PEERS_SEED": str(seed)}
     quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
     before = machines.sent()
     processes = []
@@ -140,8 +141,8 @@ def _mb(value: float | None) -> str:
 def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -> str:
     metric = rows[0]["metric"]
     lines = [f"\njob: {job}, link: {link} (both directions; no added latency: this kernel has no netem)",
-             f"{'system':8} {'strategy':17} {'samples/s (median, range)':>28} {metric:>10} {'MB wire':>8} "
-             f"{'MB FAST':>8} {'lines':>5} {'end s':>6}  FAST/peer"]  # fmt: skip
+             f"{'system':8} {'strategy':17} {'samples/s (median, range)':>28} {metric + ' (median, range)':>28} "
+             f"{'MB wire':>8} {'MB FAST':>8} {'lines':>5} {'end s':>6}  FAST/peer"]  # fmt: skip
     medians = {}
     for system, strategy in pairs:
         mine = [r for r in rows if r["system"] == system and r["strategy"] == strategy]
@@ -154,11 +155,12 @@ def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -
             peers = [(s, medians[s, strategy]) for s in PEERS if (s, strategy) in medians]
             ratios = ", ".join(f"{medians[system, strategy] / speed:.3f} ({s})" for s, speed in peers)
         fast_mb = statistics.median(r["fast_bytes"] for r in mine) if system == "fast" else None
-        value = statistics.median(r["value"] for r in mine)
+        values = [r["value"] for r in mine]
         wire = statistics.median(r["wire_bytes"] for r in mine)
         end = statistics.median(r["end_s"] for r in mine)
         lines.append(f"{system:8} {strategy:17} {statistics.median(speeds):>10,.0f} "
-                     f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {value:>10.4f} "
+                     f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {statistics.median(values):>10.4f} "
+                     f"({min(values):>7.4f}–{max(values):>7.4f}) "
                      f"{_mb(wire):>8} {_mb(fast_mb):>8} {USER_LINES[system]:>5} {end:>6.2f}  {ratios}")  # fmt: skip
     return "\n".join(lines)
 
@@ -197,11 +199,12 @@ def main() -> int:
                     for round_ in range(args.rounds):
                         order = pairs if round_ % 2 == 0 else pairs[::-1]  # alternate who goes first
                         for system, strategy in order:
-                            try:
-                                row = run_once(machines, system, strategy, job, args.steps, Path(scratch) / "run")
+                            where = Path(scratch) / "run"
+                            try:  # each round its own seed: the metric's range is the seeds' spread
+                                row = run_once(machines, system, strategy, job, args.steps, where, round_)
                             except RuntimeError as e:  # once more, saying so (a peer's exit can crash)
                                 print(f"  {job} {link} round {round_ + 1}: {str(e).splitlines()[0][:200]}; again")
-                                row = run_once(machines, system, strategy, job, args.steps, Path(scratch) / "run")
+                                row = run_once(machines, system, strategy, job, args.steps, where, round_)
                             rows.append({**row, "link": link, "round": round_})
                             print(f"  {job} {link} round {round_ + 1}: {system} {strategy} "
                                   f"{row['samples_per_s']:,.0f} samples/s, {row['metric']} {row['value']:.4f}, "

@@ -3,6 +3,7 @@
     torchrun ... peers_worker.py ddp|fast STRATEGY JOB STEPS OUT          (DDP: sync; FAST: any strategy)
     REPLICA=r peers_worker.py torchft STRATEGY JOB STEPS OUT LIGHTHOUSE HOST
     REPLICA=r peers_worker.py hivemind local-sgd JOB STEPS OUT HOST
+    (PEERS_SEED=s in the environment: the initial weights and the data order; default 0)
 
 JOB `lenet`: Fashion-MNIST LeNet, batch 64 a worker, SGD (lr 0.05, momentum 0.9) inside, test accuracy. JOB `lm`:
 the language model of examples/lm (width 96, 2 layers), 16 windows of 128 bytes a worker, AdamW (lr 0.002, betas
@@ -31,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 system, strategy, job_name, steps, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+SEED = int(os.environ.get("PEERS_SEED", "0"))  # the initial weights and the data order
 PERIOD, WORKERS = 16, 2
 STREAMING = {"fragments": 2, "delay": 1, "alpha": 0.5}
 torch.set_num_threads(1)
-torch.manual_seed(0)
+torch.manual_seed(SEED)
 
 if job_name == "lenet":
     from fast.jobs.datasets import load_dataset
@@ -101,7 +103,8 @@ elif system == "fast":
     if strategy == "streaming-diloco":
         options |= {f"strategy__{key}": value for key, value in STREAMING.items()}
     # two machines: no shared-memory sums between them (namespaces share the host's memory)
-    job = fast.init(out=f"{out}/fast-run", strategy__name=strategy, run__workers=WORKERS, run__shared_memory=False,
+    job = fast.init(out=f"{out}/fast-run", strategy__name=strategy, run__workers=WORKERS, run__seed=SEED,
+                    run__shared_memory=False,
                     **options)  # fmt: skip
     rank = job.rank
     model, stepper = job.prepare(model, inner)
@@ -159,7 +162,7 @@ else:
         dht.shutdown()
 
 
-order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(0))[rank::WORKERS]
+order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(SEED))[rank::WORKERS]
 started = None
 for step in range(steps):
     index = order[(step * BATCH) % (len(order) - BATCH) :][:BATCH]
