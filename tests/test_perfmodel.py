@@ -148,6 +148,9 @@ def cost(strategy: str, compute_s: float = 0.5, workers: int = N, **options) -> 
         ("sync", {"overlap": 0.5}, StepCost(0.5 + 0.72 - 0.25, 0.5, 0.72, 1.5e6)),
         ("sync", {"overlap": 1.0}, StepCost(0.72, 0.5, 0.72, 1.5e6)),
         ("sync", {"hierarchical": 2, "inner_link": LAN}, StepCost(0.5 + 0.458, 0.5, 0.458, 1.5e6)),
+        # frames that cannot be added (top-k): a ring of the lengths, then of the frames: 3 x (2 x 0.02 + 0.4) s
+        ("sync", {"gathered": True}, StepCost(0.5 + 1.32, 0.5, 1.32, 3e6)),
+        ("local-sgd", {"period": 4, "gathered": True}, StepCost(0.5 + 0.33, 0.5, 0.33, 3e6 / 4)),
         ("ssp", {}, StepCost(1.26, 0.5, 3 * 0.42, 3e6)),  # each gradient to each of the 3 peers
         ("ssp", {"exchange": "all-reduce"}, StepCost(0.72, 0.5, 0.72, 1.5e6)),  # sync's all-reduce, overlapped
         # One server: a worker's push then pull (2 x 0.42 s) against the server's busier direction, 4 shards of
@@ -173,7 +176,9 @@ def cost(strategy: str, compute_s: float = 0.5, workers: int = N, **options) -> 
             {"degree": 2, "peers_per_round": 1, "send_probability": 0.5},
             StepCost(0.5 + 0.21, 0.5, 0.21, 0.5e6),
         ),
-        ("ad-psgd", {}, StepCost(0.84, 0.5, 0.84, 2e6)),
+        # A round trip (2 x 0.42 s) after each step, and at each of the two NICs an M/D/1 wait: the NICs are busy
+        # 0.8 s of each step T, so T = 0.5 + 0.84 + 2 (0.8 / T) 0.4 / (2 (1 - 0.8 / T)): T = 1.6968.
+        ("ad-psgd", {}, StepCost(1.6968174, 0.5, 1.1968174, 2e6)),
         ("push-sum", {"send_probability": 0.5}, StepCost(0.5, 0.5, 0.21, 0.5e6)),
         ("async-broadcast", {}, StepCost(1.26, 0.5, 3 * 0.42, 3e6)),
     ],

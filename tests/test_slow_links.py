@@ -190,6 +190,17 @@ def test_a_trace_holds_every_workers_spans_in_the_chrome_trace_format(tmp_path, 
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.01) and shares["compute"] > 0 and shares["wait"] > 0
 
 
+@pytest.mark.parametrize("codec", ["none", "topk"])
+def test_a_step_blocked_on_its_exchange_counts_as_waiting_with_or_without_a_codec(tmp_path, no_orphans, codec):
+    """A dense all-reduce is waited on in the training thread; a top-k exchange runs in a background thread whose
+    result the step waits for: both are time blocked on communication (before, the second counted as the
+    strategy's own work: 80% "communicate" and 2% "wait" for sync with top-k on the demo's link)."""
+    summary = fast.train(None, out=str(tmp_path), strategy__name="sync", run__max_steps=20, codec__name=codec,
+                         network__bandwidth="20Mbit", network__latency="20ms", **JOB)  # fmt: skip
+    shares = summary["time_shares"]
+    assert shares["wait"] > 0.5 and shares["wait"] > 5 * shares["communicate"], shares
+
+
 # -- the cost model ----------------------------------------------------------------------------------------------
 LINK = Link(latency_s=0.05, bandwidth_Bps=10e6 / 8)
 

@@ -148,7 +148,21 @@ def cost_options(config: Config, inner_link: Link | None) -> dict[str, Any]:
             chosen["peers_per_round"] = min(chosen["peers_per_round"], chosen["degree"])
     if inner_link is not None and ("hierarchical" in chosen or "group_size" in chosen) and "inner_link" in wanted:
         chosen["inner_link"] = inner_link
+    if "gathered" in wanted and frames_are_gathered(config):
+        chosen["gathered"] = True
     return {k: v for k, v in chosen.items() if k in wanted}
+
+
+def frames_are_gathered(config: Config) -> bool:
+    """Whether the codec's frames cannot be added on the way, so its collectives are all-gathers (top-k, the
+    quantisers) rather than all-reduces (none, fp16, bf16) or sums of factors (PowerSGD)."""
+    if config.codec.name == "none":
+        return False
+    from fast.codecs import build_codec
+    from fast.exchange.allreduce import base_codec
+
+    codec = build_codec(config.codec.name, **config.codec.options())
+    return not codec.summable and not base_codec(codec).low_rank
 
 
 def price(config: Config, nbytes: float, compute_s: float) -> StepCost:

@@ -35,6 +35,7 @@ from fast.codecs import Codec, ErrorFeedback, build_codec
 from fast.codecs.parts import decode_parts, encode_parts, frame_shapes, packed_shapes
 from fast.codecs.powersgd import PowerSGD, matrix_shape
 from fast.comm.comm import Comm
+from fast.comm.waiting import waiting
 
 NONFINITE = 4096.0  # the count of a worker whose values were not finite: more than any run's workers, exact in fp32
 
@@ -128,7 +129,7 @@ class CompressedAllReduce:
             return PendingSum(lambda: contributors)
         context = self.comm.counter.context()  # the thread counts traffic as this caller would
         future = self._executor.submit(self._entered, context, job)
-        return PendingSum(future.result)
+        return PendingSum(lambda: _waited_for(future.result))
 
     def sum(self, tensor: torch.Tensor, key: str, *, shapes: Sequence[Sequence[int]] | None = None) -> int:
         """`start(...).wait()`: `tensor` becomes the sum; returns the number of contributors."""
@@ -267,6 +268,13 @@ class CompressedAllReduce:
     def _entered(self, context: tuple[int, int], job: Callable[[], int]) -> int:
         with self.comm.counter.entered(context):
             return job()
+
+
+def _waited_for(result: Callable[[], int]) -> int:
+    """A background exchange's result; the time it takes to come is the caller's wait on communication (its time
+    shares), not work of its own."""
+    with waiting():
+        return result()
 
 
 def _counted(total: torch.Tensor | int, count: torch.Tensor | None) -> int:

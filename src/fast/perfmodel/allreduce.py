@@ -11,6 +11,9 @@ and recursive doubling), with α + n/β for one message of n bytes:
   the fast inner link, the ⌈N/G⌉ group leaders ring-all-reduce over the slow link, and each leader
   broadcasts back along the tree: 2⌈log2 G⌉·(α_in + n/β_in) + ring(n, ⌈N/G⌉).
 
+Codecs whose frames cannot be added (top-k, quantisers: `gathered`) are all-gathered instead, each frame of n
+bytes passed around the ring after its length: 2(N−1)·α + (N−1)·n/β, each worker sending (N−1)·n.
+
 For N that is not a power of two, tree and recursive doubling keep the papers' ⌈log2 N⌉ rounds.
 Traffic is reported as bytes sent per worker averaged over workers (total bytes on the wire / N).
 """
@@ -105,3 +108,12 @@ def allreduce_cost(
             f"hierarchical all-reduce needs group_size between 1 and workers = {workers}, got {group_size!r}"
         )
     return hierarchical_cost(nbytes, workers, link, group_size, inner_link or link)
+
+
+def all_gather_cost(nbytes: float, workers: int, link: Link) -> tuple[float, float]:
+    """(seconds, bytes sent per worker) of FAST's all-gather of one frame of `nbytes` from each of `workers`: a
+    ring of the lengths (N−1 latencies), then a ring of the frames (fast.comm.Comm.all_gather_bytes)."""
+    check_nbytes(nbytes)
+    check_workers(workers)
+    hops = workers - 1
+    return hops * (2 * link.latency_s + nbytes / link.bandwidth_Bps), hops * nbytes

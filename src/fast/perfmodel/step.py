@@ -13,9 +13,10 @@ How computation and communication combine:
   backward, so it hides at most the backward pass (about 2/3 of compute); D-PSGD as in Langer et al. 2020
   Fig. 15 (send, compute, then await) is overlap = 1. local-sgd and diloco wait for their periodic
   all-reduce: step = compute + all-reduce / H.
-- without a barrier (ssp, ad-psgd, push-sum, async-broadcast): workers compute while their messages
+- without a barrier (ssp, push-sum, async-broadcast): workers compute while their messages
   travel, so step = max(compute, comm): the step is compute-bound or bound by the busiest NIC. SSP is
-  modelled so: its staleness bound removes the barrier waits. Servers: below.
+  modelled so: its staleness bound removes the barrier waits. ad-psgd waits for each neighbour's answer
+  (a round trip after the step) and for NICs busy with others' exchanges (its own model). Servers: below.
 
 Centralised exchanges (async-ps, easgd async, ea-wild) have two limits. A client's own exchange: its pushes
 and pulls go out and come back one after another, α + n/β each through its NIC (n in all, split over k
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fast.errors import ConfigError
-from fast.perfmodel.allreduce import allreduce_cost
+from fast.perfmodel.allreduce import all_gather_cost, allreduce_cost
 from fast.perfmodel.link import Link
 
 
@@ -53,7 +54,7 @@ class StepCost:
     bytes_per_worker: float
 
 
-COLLECTIVE_OPTIONS = frozenset({"algorithm", "group_size", "inner_link", "hierarchical"})
+COLLECTIVE_OPTIONS = frozenset({"algorithm", "group_size", "inner_link", "hierarchical", "gathered"})
 PEER_OPTIONS = frozenset({"degree", "peers_per_round", "send_probability"})
 
 
@@ -85,6 +86,9 @@ def without_barrier(compute_s: float, comm_s: float, nbytes: float) -> StepCost:
 
 
 def collective(nbytes: float, workers: int, link: Link, options: dict[str, Any]) -> tuple[float, float]:
+    """One all-reduce of `nbytes`, or, with `gathered` (a codec whose frames cannot be added), an all-gather."""
+    if options.get("gathered"):
+        return all_gather_cost(nbytes, workers, link)
     algorithm = options.get("algorithm", "ring")
     group_size = options.get("group_size")
     hierarchical = options.get("hierarchical", 0)

@@ -43,7 +43,7 @@ from torch import nn
 from fast.comm import MessageLost, timing
 from fast.errors import CommError
 from fast.perfmodel import Link, StepCost
-from fast.perfmodel.step import PEER_OPTIONS, peer_messages, without_barrier
+from fast.perfmodel.step import PEER_OPTIONS, peer_messages
 from fast.strategies.base import CompensationOptions
 from fast.strategies.flat import FlatState
 from fast.strategies.peers import AsyncPeers, PeerChoice, PeerOptions
@@ -65,10 +65,27 @@ class ADPSGD(AsyncPeers):
 
     @classmethod
     def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-        """Each exchange is two models, one each way; a worker starts one per step and, on average, answers one,
-        so its NIC sends two models; nobody waits for a barrier."""
-        messages = 2 * peer_messages(workers, options, default_peers=1)
-        return without_barrier(compute_s, messages * link.message_time(n), messages * n)
+        """A worker starts `exchanges` averagings a step and waits for each: its weights out through its NIC, the
+        neighbour's back through the neighbour's (α + n/β each). Each NIC also sends, on average, as many answers
+        as requests, so it is busy 2·exchanges·n/β of every step, and a message that finds it busy waits
+        ρ·(n/β) / (2(1 − ρ)) on average (M/D/1, ρ its busy share) at each of the two NICs it leaves from."""
+        exchanges = peer_messages(workers, options, default_peers=1)
+        if exchanges == 0:
+            return StepCost(compute_s, compute_s, 0.0, 0.0)
+        sending = n / link.bandwidth_Bps
+        unqueued = compute_s + exchanges * 2 * link.message_time(n)
+
+        def step_given(step_s: float) -> float:
+            busy = 2 * exchanges * sending / step_s
+            return unqueued + exchanges * 2 * busy * sending / (2 * (1 - busy))
+
+        low, high = unqueued, 2 * unqueued  # step_given falls as the step grows: its fixed point lies in between
+        while step_given(high) > high:
+            high *= 2
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if step_given(middle) > middle else (low, middle)
+        return StepCost(high, compute_s, high - compute_s, 2 * exchanges * n)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
