@@ -65,15 +65,14 @@ class PeriodicAveraging(Strategy):
         """Average `tensor` in place over the workers whose replica moved since the last round: a worker whose loop
         has ended (its steps without data, as with DDP's Join) sends zeros and is not counted. False, and
         `nobody_contributed`, when no worker moved: the round then changes nothing (no outer step either)."""
-        moved = float(self.moved)
+        buffer = with_count(tensor, self.moved)
         self.moved = False
-        buffer = torch.cat([tensor, tensor.new_ones(1)]).mul_(moved)  # the count rides in the same all-reduce
         self.comm.all_reduce(buffer)
-        count = float(buffer[-1])
-        self.nobody_contributed = count == 0
-        if count:
-            tensor.copy_(buffer[:-1].div_(count))
-        return count > 0
+        mean = mean_of_counted(buffer)
+        self.nobody_contributed = mean is None
+        if mean is not None:
+            tensor.copy_(mean)
+        return mean is not None
 
     def change_point(self, step: int) -> bool:
         """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""
@@ -102,3 +101,15 @@ class PeriodicAveraging(Strategy):
             self.compressed.average(tensor, key, shapes=shapes)
         else:
             self.comm.all_reduce(tensor, op="mean")
+
+
+def with_count(tensor: torch.Tensor, moved: bool) -> torch.Tensor:
+    """`tensor` and a count of 1 after it, both zeros from a worker that did not move: summed over the workers in
+    one all-reduce, the count says how many contributed."""
+    return torch.cat([tensor, tensor.new_ones(1)]).mul_(float(moved))
+
+
+def mean_of_counted(summed: torch.Tensor) -> torch.Tensor | None:
+    """The mean of a sum `with_count` made, in place (a view without the count); None when nobody contributed."""
+    count = float(summed[-1])
+    return summed[:-1].div_(count) if count else None

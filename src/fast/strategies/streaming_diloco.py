@@ -28,7 +28,7 @@ from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import collective, count
 from fast.strategies.diloco import DiLoCoOptions
 from fast.strategies.flat import FlatState
-from fast.strategies.periodic import PeriodicAveraging
+from fast.strategies.periodic import PeriodicAveraging, mean_of_counted, with_count
 
 
 class StreamingDiLoCoOptions(DiLoCoOptions):
@@ -142,11 +142,10 @@ class StreamingDiLoCo(PeriodicAveraging):
         if self.compressed is not None:
             shapes = [t.shape for t in self.local[p].tensors]
             pending = self.compressed.start(delta, f"fragment{p}", shapes=shapes, count=torch.tensor([moved]))
-            self.in_flight[p] = (step + self.options.delay, lambda: _mean(delta, pending.wait()))
+            self.in_flight[p] = (step + self.options.delay, lambda: delta.div_(n) if (n := pending.wait()) else None)
         else:
-            buffer = torch.cat([delta, delta.new_ones(1).mul_(moved)])  # the count rides in the same all-reduce
-            handle = self.channel.all_reduce(buffer, async_op=True)
-            self.in_flight[p] = (step + self.options.delay, lambda: _mean(handle.wait()[:-1], float(buffer[-1])))
+            handle = self.channel.all_reduce(with_count(delta, bool(moved)), async_op=True)
+            self.in_flight[p] = (step + self.options.delay, lambda: mean_of_counted(handle.wait()))
         self.last_round[p] = step
         if p == 0 and self.buffers.numel:
             buffers = self.buffers.read()
@@ -213,8 +212,3 @@ class StreamingDiLoCo(PeriodicAveraging):
 
     def summary(self) -> dict[str, Any]:
         return {"outer_rounds": self.rounds, "fragments": len(self.local), "final_model": "theta"}
-
-
-def _mean(summed: torch.Tensor, count: float) -> torch.Tensor | None:
-    """The mean of a sum over `count` workers, in place; None when no worker contributed."""
-    return summed.div_(count) if count else None
