@@ -15,8 +15,9 @@ samples/s compare within a round and the final metric's range over the rounds is
 
 Needs root (namespaces) and the peers extra (pip install -e '.[peers]'); says so in one line and exits otherwise.
 Prints per job and link a table: system, strategy, samples/s (median and range over rounds), the final metric
-(median), MB on the wire by the kernel, MB FAST counted, the lines each system adds to a plain loop, the seconds of
-its end of run (apart from the samples/s), and FAST's samples/s against each peer's on the same strategy.
+(median), MB on the wire by the kernel, MB FAST counted, TCP segments retransmitted (the kernel's count), the lines
+each system adds to a plain loop, the seconds of its end of run (apart from the samples/s), and FAST's samples/s over
+each peer's on the same strategy, round by round (median and range).
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ class Machines:
                                       capture_output=True, text=True, check=True).stdout)
                    for i, device in enumerate(self.devices))  # fmt: skip
 
+    def retransmitted(self) -> int:
+        """TCP segments both machines have sent again (a queue that dropped them, mostly): each namespace's own."""
+        total = 0
+        for i in range(WORKERS):
+            snmp = subprocess.run([*self.prefix(i), "cat", "/proc/net/snmp"], capture_output=True, text=True,
+                                  check=True).stdout.splitlines()  # fmt: skip
+            names, values = [line.split() for line in snmp if line.startswith("Tcp:")][:2]
+            total += int(values[names.index("RetransSegs")])
+        return total
+
     def close(self) -> None:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
@@ -96,7 +107,7 @@ def run_once(machines: Machines, system: str, strategy: str, job: str, steps: in
     folder.mkdir(parents=True)
     env = {**os.environ, "FAST_PROGRESS": "0", "OMP_NUM_THREADS": "1", "PEERS_SEED": str(seed)}
     quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
-    before = machines.sent()
+    before, retransmitted = machines.sent(), machines.retransmitted()
     processes = []
     lighthouse = None
     arguments = [str(WORKER), system, strategy, job, str(steps), str(folder)]
@@ -130,6 +141,7 @@ def run_once(machines: Machines, system: str, strategy: str, job: str, steps: in
     return {"system": system, "strategy": strategy, "job": job, "metric": results[0]["metric"],
             "value": results[0]["value"], "samples_per_s": WORKERS * BATCH[job] * results[0]["steps"] / seconds,
             "end_s": max(r["end_s"] for r in results), "wire_bytes": machines.sent() - before,
+            "retransmitted": machines.retransmitted() - retransmitted,
             "fast_bytes": results[0].get("fast_bytes_sent"),
             "averaging_rounds": results[0].get("averaging_rounds")}  # fmt: skip
 
@@ -142,7 +154,8 @@ def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -
     metric = rows[0]["metric"]
     lines = [f"\njob: {job}, link: {link} (both directions; no added latency: this kernel has no netem)",
              f"{'system':8} {'strategy':17} {'samples/s (median, range)':>28} {metric + ' (median, range)':>28} "
-             f"{'MB wire':>8} {'MB FAST':>8} {'lines':>5} {'end s':>6}  FAST/peer"]  # fmt: skip
+             f"{'MB wire':>8} {'MB FAST':>8} {'retx':>5} {'lines':>5} {'end s':>6}  "
+             "FAST/peer (median, range)"]  # fmt: skip
     medians = {}
     for system, strategy in pairs:
         mine = [r for r in rows if r["system"] == system and r["strategy"] == strategy]
@@ -152,8 +165,8 @@ def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -
         medians[system, strategy] = statistics.median(speeds)
         ratios = ""
         if system == "fast":
-            peers = [(s, medians[s, strategy]) for s in PEERS if (s, strategy) in medians]
-            ratios = ", ".join(f"{medians[system, strategy] / speed:.3f} ({s})" for s, speed in peers)
+            peers = [peer for peer in PEERS if (peer, strategy) in medians]
+            ratios = ", ".join(_paired(rows, strategy, peer) for peer in peers)
         fast_mb = statistics.median(r["fast_bytes"] for r in mine) if system == "fast" else None
         values = [r["value"] for r in mine]
         wire = statistics.median(r["wire_bytes"] for r in mine)
@@ -161,8 +174,16 @@ def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -
         lines.append(f"{system:8} {strategy:17} {statistics.median(speeds):>10,.0f} "
                      f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {statistics.median(values):>10.4f} "
                      f"({min(values):>7.4f}–{max(values):>7.4f}) "
-                     f"{_mb(wire):>8} {_mb(fast_mb):>8} {USER_LINES[system]:>5} {end:>6.2f}  {ratios}")  # fmt: skip
+                     f"{_mb(wire):>8} {_mb(fast_mb):>8} {statistics.median(r['retransmitted'] for r in mine):>5.0f} "
+                     f"{USER_LINES[system]:>5} {end:>6.2f}  {ratios}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _paired(rows: list[dict], strategy: str, peer: str) -> str:
+    """FAST's samples/s over the peer's in each round (same seed, back to back): their median and range."""
+    speed = {(r["system"], r["round"]): r["samples_per_s"] for r in rows if r["strategy"] == strategy}
+    ratios = [speed["fast", k] / speed[peer, k] for system, k in speed if system == "fast" and (peer, k) in speed]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) {peer}"
 
 
 def main() -> int:

@@ -75,6 +75,42 @@ def test_point_to_point_and_collectives_move_the_right_values_and_count_exact_by
     assert a["counter"]["sent_per_peer"] == {"1": a["counter"]["bytes_sent"]}
 
 
+def _in_pieces(comm: Comm) -> dict:
+    import torch.distributed as dist
+
+    calls = []
+    whole = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tensor.numel())
+        return whole(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    comm.piece_bytes = 1024  # 256 floats
+    x = torch.arange(1000.0) * (comm.rank + 1)
+    comm.all_reduce(x, op="mean")
+    small = torch.ones(10)
+    comm.all_reduce(small)
+    return {"pieces": calls, "x": x.tolist(), "small": small.tolist(), "sent": comm.counter.snapshot()["bytes_sent"]}
+
+
+def test_a_blocking_all_reduce_larger_than_a_piece_goes_in_consecutive_pieces_with_the_same_result_and_bytes():
+    out = run_distributed(_in_pieces, 3)
+    for rank in range(3):
+        assert out[rank]["pieces"] == [256, 256, 256, 232, 10]
+        assert out[rank]["x"] == pytest.approx([2.0 * i for i in range(1000)])
+        assert out[rank]["small"] == [3.0] * 10
+        # each piece is counted as a ring all-reduce of its own, 2(N-1)/N of its bytes
+        assert out[rank]["sent"] == 3 * round(1024 * 4 / 3) + round(928 * 4 / 3) + round(40 * 4 / 3)
+
+
+def test_the_runs_allreduce_piece_kb_reaches_the_comms_it_makes():
+    from fast.emulation.deployment import comm_maker
+
+    assert comm_maker(None, 256)(rank=0, world_size=1).piece_bytes == 256 * 1024
+    assert comm_maker(None, 0)(rank=0, world_size=1).piece_bytes is None
+
+
 def _timed(action: Any, error: type[CommError]) -> None:
     """Run `action`; its `error` says after how many seconds it came."""
     start = time.perf_counter()

@@ -103,6 +103,10 @@ def _scenarios(comm: Comm) -> dict:
     out["local_final_model"] = _flat(local.final_model())
     out["local_averagings"] = local.averagings
 
+    comm.piece_bytes = 256  # the rounds' all-reduces in pieces of 64 floats
+    out["local_in_pieces"], _ = _train(comm, "local-sgd", period=4)
+    comm.piece_bytes = None
+
     out["diloco_plain"], plain = _train(comm, "diloco", period=4, outer_lr=1.0, outer_momentum=0.0)
     out["diloco_plain_reported"] = _flat(plain.final_model())
 
@@ -153,6 +157,7 @@ def test_local_sgd_warmup_is_sync_and_averaging_replaces_replicas_by_their_mean(
         torch.testing.assert_close(scenarios[rank]["local"], scenarios[0]["local"])
         torch.testing.assert_close(scenarios[rank]["local_final_model"], scenarios[0]["local"])
         assert scenarios[rank]["local_averagings"] == 2  # after step 3, and at the end of the run (step 5)
+        torch.testing.assert_close(scenarios[rank]["local_in_pieces"], scenarios[rank]["local"], rtol=1e-5, atol=1e-6)
     befores = torch.stack([scenarios[r]["local_before"] for r in range(WORKERS)])
     assert not torch.allclose(befores[0], befores[1])
     for rank in range(WORKERS):

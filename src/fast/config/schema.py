@@ -48,6 +48,12 @@ class RunConfig(Section):
         default_factory=lambda: [0.80, 0.85],
         description='test accuracies, or "metric >= value" / "metric <= value", timed in time_to_target_s',
     )
+    allreduce_piece_kb: int = Field(
+        0,
+        ge=0,
+        description="on real links, blocking all-reduces of more than this many KiB go as consecutive pieces of it "
+        "(each pays the link's latency): a slow link whose queue drops a burst's tail then loses nothing; 0 = whole",
+    )
     log_every: int = Field(20, ge=1, description="steps between metric records")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
     max_time: str | float | None = Field(
@@ -69,7 +75,9 @@ class RunConfig(Section):
         60.0, gt=0, le=1e6, description="deadline of every blocking communication call (gloo counts it in 32 bits)"
     )
     max_bad_steps: int = Field(10, ge=1, description="stop after this many NaN/Inf steps in a row on a worker")
-    threads_per_worker: int = Field(0, ge=0, le=1024, description="torch threads per worker; 0 = cores / workers")
+    threads_per_worker: int = Field(
+        0, ge=0, le=1024, description="torch threads per worker; 0 = the machine's cores / its processes of the run"
+    )
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (gradient accumulation)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description='"bf16": forward and loss under bf16 autocast')
     tensorboard: bool = Field(False, description="TensorBoard event files in <run>/tensorboard")

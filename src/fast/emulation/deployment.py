@@ -71,10 +71,11 @@ def network_for(config: Config, size: int, rank: int) -> Network | None:
     return Network(link_table(config, size), rank, config.run.seed)
 
 
-def comm_maker(network: Network | None) -> Callable[..., Comm]:
-    """What makes this process's Comm: a plain one, or one whose traffic crosses the emulated `network`."""
+def comm_maker(network: Network | None, piece_kb: int = 0) -> Callable[..., Comm]:
+    """What makes this process's Comm: a plain one (its blocking all-reduces in pieces of `piece_kb` KiB, if set), or
+    one whose traffic crosses the emulated `network` (which drops nothing: its all-reduces go whole)."""
     if network is None:
-        return Comm
+        return functools.partial(Comm, piece_bytes=piece_kb * 1024 or None)
     from fast.emulation.network import EmulatedComm
 
     return functools.partial(EmulatedComm, network=network)

@@ -224,7 +224,8 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.timeline = timeline.start(self.rank, keep_events=run.trace)
         if not self.simulated:  # simulated processes share this one's threads, one at a time
             name_process(f"fast {role} {strategy_name} ({run.name})")
-            torch.set_num_threads(run.threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size))
+            here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))  # this machine's processes of the run
+            torch.set_num_threads(run.threads_per_worker or max(1, (os.cpu_count() or 1) // here))
         if self.is_main:
             prepare_run_dir(config, run_dir, resume, self.loop_is_fast)
         self.device = engine.device_for(run.device)
@@ -242,7 +243,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
                 int(os.environ["MASTER_PORT"]),
                 self.device,
                 run.deadline_s,
-                comm_maker(network_for(config, self.world_size, self.rank)),
+                comm_maker(network_for(config, self.world_size, self.rank), run.allreduce_piece_kb),
             )
         )
         partition = [list(range(self.workers))]

@@ -130,7 +130,7 @@ class Live:
         self.generation = generation
         try:
             world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
-                                     comm_maker(network))  # fmt: skip
+                                     comm_maker(network, self.config.run.allreduce_piece_kb))  # fmt: skip
             world.interrupted, world.connect_s = self._superseded, FORM_S
             control = world.subgroups([world.ranks], gloo=True)
         except RuntimeError as e:  # a member went between arriving and forming (the store's wait gave up)
