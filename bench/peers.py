@@ -15,9 +15,10 @@ samples/s compare within a round and the final metric's range over the rounds is
 
 Needs root (namespaces) and the peers extra (pip install -e '.[peers]'); says so in one line and exits otherwise.
 Prints per job and link a table: system, strategy, samples/s (median and range over rounds), the final metric
-(median), MB on the wire by the kernel, MB FAST counted, TCP segments retransmitted (the kernel's count), the lines
-each system adds to a plain loop, the seconds of its end of run (apart from the samples/s), and FAST's samples/s over
-each peer's on the same strategy, round by round (median and range).
+(median), MB on the wire by the kernel, MB FAST counted (its `bytes_sent`, + the set-up it leaves out), TCP
+segments retransmitted (the kernel's count), the lines each system adds to a plain loop, the seconds of its end of
+run (apart from the samples/s), and FAST's samples/s over each peer's on the same strategy, round by round (median
+and range).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def run_once(machines: Machines, system: str, strategy: str, job: str, steps: in
             "value": results[0]["value"], "samples_per_s": WORKERS * BATCH[job] * results[0]["steps"] / seconds,
             "end_s": max(r["end_s"] for r in results), "wire_bytes": machines.sent() - before,
             "retransmitted": machines.retransmitted() - retransmitted,
-            "fast_bytes": results[0].get("fast_bytes_sent"),
+            "fast_bytes": results[0].get("fast_bytes_sent"), "fast_unmetered": results[0].get("fast_bytes_unmetered"),
             "averaging_rounds": results[0].get("averaging_rounds")}  # fmt: skip
 
 
@@ -167,14 +168,17 @@ def table(rows: list[dict], job: str, link: str, pairs: list[tuple[str, str]]) -
         if system == "fast":
             peers = [peer for peer in PEERS if (peer, strategy) in medians]
             ratios = ", ".join(_paired(rows, strategy, peer) for peer in peers)
-        fast_mb = statistics.median(r["fast_bytes"] for r in mine) if system == "fast" else None
+        fast_mb = "—"
+        if system == "fast":  # bytes_sent + what it leaves out (set-up: the start's broadcast of worker 0's weights)
+            unmetered = statistics.median(r["fast_unmetered"] for r in mine)
+            fast_mb = f"{_mb(statistics.median(r['fast_bytes'] for r in mine))}+{_mb(unmetered)}"
         values = [r["value"] for r in mine]
         wire = statistics.median(r["wire_bytes"] for r in mine)
         end = statistics.median(r["end_s"] for r in mine)
         lines.append(f"{system:8} {strategy:17} {statistics.median(speeds):>10,.0f} "
                      f"({min(speeds):>7,.0f}–{max(speeds):>7,.0f}) {statistics.median(values):>10.4f} "
                      f"({min(values):>7.4f}–{max(values):>7.4f}) "
-                     f"{_mb(wire):>8} {_mb(fast_mb):>8} {statistics.median(r['retransmitted'] for r in mine):>5.0f} "
+                     f"{_mb(wire):>8} {fast_mb:>8} {statistics.median(r['retransmitted'] for r in mine):>5.0f} "
                      f"{USER_LINES[system]:>5} {end:>6.2f}  {ratios}")  # fmt: skip
     return "\n".join(lines)
 

@@ -183,7 +183,8 @@ if end_of_run is not None:
     end_of_run()
 result["end_s"] = time.perf_counter() - ending
 if system == "fast" and rank == 0:
-    result["fast_bytes_sent"] = json.loads(open(f"{out}/fast-run/summary.json").read())["bytes_sent"]
+    summary = json.loads(open(f"{out}/fast-run/summary.json").read())
+    result["fast_bytes_sent"], result["fast_bytes_unmetered"] = summary["bytes_sent"], summary["bytes_sent_unmetered"]
 if rank == 0:
     result |= metric(evaluated)
 with open(f"{out}/result{rank}.json", "w") as f:

@@ -73,6 +73,7 @@ def test_point_to_point_and_collectives_move_the_right_values_and_count_exact_by
     assert a["counter"]["bytes_sent"] == 400 + 40 + 15 + 8 + 4 + 4 + 4 + 8 + 4
     assert b["counter"]["bytes_received"] == 400 + 40 + 15 + 8 + 4 + 4 + 4 + 8 + 4
     assert a["counter"]["sent_per_peer"] == {"1": a["counter"]["bytes_sent"]}
+    assert a["counter"]["bytes_sent_unmetered"] == b["counter"]["bytes_sent_unmetered"] == 4000  # counted apart
 
 
 def _in_pieces(comm: Comm) -> dict:
@@ -91,17 +92,21 @@ def _in_pieces(comm: Comm) -> dict:
     comm.all_reduce(x, op="mean")
     small = torch.ones(10)
     comm.all_reduce(small)
-    return {"pieces": calls, "x": x.tolist(), "small": small.tolist(), "sent": comm.counter.snapshot()["bytes_sent"]}
+    behind = torch.arange(600.0)  # started together, done together
+    comm.all_reduce(behind, async_op=True).wait()
+    return {"pieces": calls, "x": x.tolist(), "small": small.tolist(), "behind": behind.tolist(),
+            "sent": comm.counter.snapshot()["bytes_sent"]}  # fmt: skip
 
 
 def test_a_blocking_all_reduce_larger_than_a_piece_goes_in_consecutive_pieces_with_the_same_result_and_bytes():
     out = run_distributed(_in_pieces, 3)
     for rank in range(3):
-        assert out[rank]["pieces"] == [256, 256, 256, 232, 10]
+        assert out[rank]["pieces"] == [256, 256, 256, 232, 10, 256, 256, 88]
         assert out[rank]["x"] == pytest.approx([2.0 * i for i in range(1000)])
         assert out[rank]["small"] == [3.0] * 10
-        # each piece is counted as a ring all-reduce of its own, 2(N-1)/N of its bytes
-        assert out[rank]["sent"] == 3 * round(1024 * 4 / 3) + round(928 * 4 / 3) + round(40 * 4 / 3)
+        assert out[rank]["behind"] == [3.0 * i for i in range(600)]
+        # counted as the whole tensor's ring all-reduce: 2(N-1)/N of its bytes
+        assert out[rank]["sent"] == round(4000 * 4 / 3) + round(40 * 4 / 3) + round(2400 * 4 / 3)
 
 
 def test_the_runs_allreduce_piece_kb_reaches_the_comms_it_makes():

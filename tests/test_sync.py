@@ -22,7 +22,12 @@ def _batches(workers: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    comm: Comm | None, workers: int, momentum: float, hierarchical: int = 0, shared_memory: bool = True
+    comm: Comm | None,
+    workers: int,
+    momentum: float,
+    hierarchical: int = 0,
+    shared_memory: bool = True,
+    piece_bytes: int | None = None,
 ) -> torch.Tensor:
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
@@ -31,6 +36,7 @@ def _train(
     strategy = None
     rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
     if comm is not None:
+        comm.piece_bytes = piece_bytes
         config = load_config(
             None,
             run__workers=workers,
@@ -69,6 +75,7 @@ def _variants(comm: Comm) -> dict[str, torch.Tensor]:
         "momentum": _train(comm, n, 0.9),
         "hierarchical": _train(comm, n, 0.9, hierarchical=2),
         "backend": _train(comm, n, 0.9, shared_memory=False),
+        "pieces": _train(comm, n, 0.9, shared_memory=False, piece_bytes=1024),  # each 10 KB bucket in 10 pieces
     }
 
 
@@ -78,7 +85,7 @@ def test_sync_with_n_workers_equals_one_worker_with_n_times_the_batch(workers):
 
     out = run_distributed(_variants, workers)
     expected = {"sgd": _train(None, workers, 0.0), "momentum": _train(None, workers, 0.9)}
-    expected["hierarchical"] = expected["backend"] = expected["momentum"]
+    expected["hierarchical"] = expected["backend"] = expected["pieces"] = expected["momentum"]
     for rank in range(workers):
         for name, reference in expected.items():
             torch.testing.assert_close(out[rank][name], reference, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")

@@ -22,6 +22,7 @@ class ByteCounter:
         self.sent: dict[int, int] = defaultdict(int)
         self.received: dict[int, int] = defaultdict(int)
         self.sent_uncompressed = 0
+        self.sent_unmetered = 0  # what `unmetered()` left out of the count, so that the wire's total can be matched
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -66,7 +67,11 @@ class ByteCounter:
     def add_sent(self, peer: int, nbytes: int, uncompressed: int | None = None) -> None:
         """Count `nbytes` sent to `peer`; `uncompressed` (default: nbytes, or 0 inside `dense_equivalent`)
         is what the message would have been as dense fp32."""
-        if not self.metered or nbytes <= 0:
+        if nbytes <= 0:
+            return
+        if not self.metered:
+            with self._lock:
+                self.sent_unmetered += int(nbytes)
             return
         if uncompressed is None:
             uncompressed = 0 if getattr(self._local, "compressed", 0) else nbytes
@@ -94,6 +99,7 @@ class ByteCounter:
                 "bytes_sent": sum(self.sent.values()),
                 "bytes_received": sum(self.received.values()),
                 "bytes_sent_uncompressed": self.sent_uncompressed,
+                "bytes_sent_unmetered": self.sent_unmetered,
                 "sent_per_peer": {str(k): v for k, v in sorted(self.sent.items())},
                 "received_per_peer": {str(k): v for k, v in sorted(self.received.items())},
             }

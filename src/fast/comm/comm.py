@@ -16,6 +16,7 @@ Native links never lose one; an emulated lossy or down link may, and the receive
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -104,6 +105,25 @@ class Handle:
             reason = self._interrupted()
             if reason is not None:
                 raise CommError(f"{self.op} with {self.peer} given up: {reason}")
+
+
+class _Pieces:
+    """The backend's works for one operation's pieces: started together (`at_once`, for an operation that runs
+    behind the caller's work), or each once the one before is done, so that one piece at a time is on the wire."""
+
+    def __init__(self, starts: list[Callable[[], Any]], at_once: bool) -> None:
+        self.starts = starts
+        self.works = [start() for start in starts] if at_once else []
+
+    def is_completed(self) -> bool:
+        return len(self.works) == len(self.starts) and all(work.is_completed() for work in self.works)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for i, start in enumerate(self.starts):
+            if i == len(self.works):
+                self.works.append(start())
+            self.works[i].wait() if timeout is None else self.works[i].wait(timeout)
+        return True
 
 
 def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
@@ -305,19 +325,16 @@ class Comm:
             raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
         if self.local_sums is not None and not async_op and op in ("sum", "mean") and self.local_sums.takes(tensor):
             return self.local_sums.all_reduce(tensor, op)
-        pieces = None if async_op else self._pieces(tensor)
-        if pieces is not None:
-            for piece in pieces:
-                self.all_reduce(piece, op)
-            return tensor
         reduce_op = {
             "sum": dist.ReduceOp.SUM,
             "mean": dist.ReduceOp.SUM,
             "max": dist.ReduceOp.MAX,
             "min": dist.ReduceOp.MIN,
         }[op]
+        starts = [functools.partial(dist.all_reduce, piece, op=reduce_op, group=self.group, async_op=True)
+                  for piece in self._pieces(tensor)]  # fmt: skip
         handle = self._collective(
-            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
+            (lambda: _Pieces(starts, at_once=async_op)) if len(starts) > 1 else starts[0],
             "all_reduce",
             tensor,
             2 * (self.size - 1) / self.size,
@@ -326,13 +343,13 @@ class Comm:
         )
         return handle if async_op else handle.wait()
 
-    def _pieces(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """`tensor`'s consecutive pieces of at most `piece_bytes`, views into it; None: it goes whole. A message
-        that never outgrows a slow link's queue is not dropped at its tail, where TCP only recovers after a
-        retransmission timeout (bench/peers.py: 0 drops instead of ~1,000 a run at 10 Mbit/s)."""
+    def _pieces(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`tensor` whole, or its consecutive pieces of at most `piece_bytes` (views into it), which go one after
+        the other: a message that never outgrows a slow link's queue is not dropped at its tail, where TCP only
+        recovers after a retransmission timeout (bench/peers.py: 0 drops instead of ~1,000 a run at 10 Mbit/s)."""
         limit = self.piece_bytes
         if not limit or tensor.numel() * tensor.element_size() <= limit or not tensor.is_contiguous():
-            return None
+            return (tensor,)
         return tensor.view(-1).split(max(1, limit // tensor.element_size()))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:

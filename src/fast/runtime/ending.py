@@ -414,6 +414,8 @@ class Ending:
             "bytes_sent": sent,
             "bytes_received": sum(p["counter"]["bytes_received"] for p in everyone),
             "bytes_sent_uncompressed": uncompressed,
+            # set-up and measurement (the start's broadcast, evaluations, divergence), not in bytes_sent
+            "bytes_sent_unmetered": sum(p["counter"]["bytes_sent_unmetered"] for p in everyone),
             "compression_ratio": uncompressed / sent if sent else None,
             "targets": [t.label for t in targets],
             "time_to_target_s": time_to,
