@@ -107,7 +107,9 @@ def write_run(
                 "links": [],
                 "site_of": {},
             },  # unset: not shown
-            "compute": {"stragglers": [3], "slowdown": 2.0},
+            "compute": {"stragglers": [3], "slowdown": 2.0, "heavy_tail": 0.0, "heavy_tail_max": 20.0},
+            "faults": {"crash": [], "link_down": []},
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
         },
         "env": {"python": "3.11", "torch": "2.13.0", "host": "test"},
     }
@@ -188,6 +190,10 @@ def test_report_shows_deployment_and_events(report: Path) -> None:
     ]:
         assert text in deployment
     assert "sites" not in deployment and "links" not in deployment and "site of" not in deployment
+    # only what the deployment has: no heavy tail (0), hence no cap on it; no faults
+    assert "heavy" not in deployment and "faults" not in deployment and "crash" not in deployment
+    runs = html[html.index('<section id="runs">') :]
+    assert "sgd (lr: 0.05, momentum: 0.9)" in runs
     events = html[html.index('<section id="events">') : html.index('<section id="runs">')]
     assert "async-ps" in events and "3 skipped steps" in events and "crash" in events
 

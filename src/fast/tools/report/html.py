@@ -14,6 +14,7 @@ from fast.tools.report.plots import ReportFigure, Variant, report_figures, varia
 from fast.tools.report.runs import Run, distinct_labels, load_run
 from fast.tools.report.series import as_target, ordered, recorded_targets
 from fast.tools.report.table import MISSING, Column, summary_rows, table_columns, write_summary_csv
+from fast.units import parse_duration
 
 SUMMARY_CSV = "summary.csv"
 DEPLOYMENT_SECTIONS = ("network", "compute", "faults")
@@ -155,8 +156,33 @@ def _deployment_of(run: Run) -> dict[str, Any]:
     config = run.config
     workers = run.summary.get("workers") or config.get("run", {}).get("workers")
     found: dict[str, Any] = {"workers": workers} if workers else {}
-    found |= {key: config[key] for key in DEPLOYMENT_SECTIONS if config.get(key) not in (None, {}, [])}
-    return found
+    sections = {key: _present(config[key]) if isinstance(config.get(key), dict) else config.get(key)
+                for key in DEPLOYMENT_SECTIONS}  # fmt: skip
+    return found | {key: value for key, value in sections.items() if value not in (None, {}, [])}
+
+
+# entries that say something only while another entry is on
+_ONLY_WITH = {"heavy_tail_max": "heavy_tail", "straggler_pause": "straggler_probability"}
+
+
+def _present(table: dict) -> dict:
+    """What a deployment table has: without entries that are off (no loss, no jitter, no heavy tail: zeros and
+    zero durations), nor those that qualify an entry that is off (the pause of stragglers that never happen)."""
+
+    def off(value: Any) -> bool:
+        if value is None or value == {} or value == [] or value is False:
+            return True
+        if isinstance(value, int | float):
+            return value == 0
+        if isinstance(value, str):
+            try:
+                return parse_duration(value) == 0
+            except ConfigError:  # not a duration ("1Gbit")
+                return False
+        return False
+
+    kept = {key: value for key, value in table.items() if not off(value)}
+    return {key: value for key, value in kept.items() if _ONLY_WITH.get(key, key) in kept}
 
 
 def _humanize(key: str) -> str:
@@ -300,16 +326,20 @@ def _runs_section(all_variants: list[Variant]) -> str:
         codec = config.get("codec") or {}
         codec_options = {k: val for k, val in codec.items() if k != "name"}
         codec_text = escape(str(codec.get("name", MISSING))) + (f" ({_inline(codec_options)})" if codec_options else "")
+        optimizer = config.get("optimizer") or {}
+        settings = {k: optimizer[k] for k in ("lr", "momentum") if optimizer.get(k) is not None}
+        optimizer_text = escape(str(optimizer.get("name", MISSING))) + (f" ({_inline(settings)})" if settings else "")
         rows.append(
             f'<tr><td><span class="swatch" style="background:{v.colour}"></span>{escape(v.label)}</td>'
             f"<td><code>{escape(str(v.run.directory))}</code></td>"
             f'<td class="wrap">{escape(v.run.strategy)}{f" ({_inline(strategy)})" if strategy else ""}</td>'
             f'<td class="wrap">{codec_text}</td>'
+            f'<td class="wrap">{optimizer_text}</td>'
             f'<td class="num">{_inline(v.run.summary.get("epochs"))}</td>'
             f'<td class="num">{_seconds(v.run.summary.get("wall_time_s"))}</td></tr>'
         )
     head = (
-        "<tr><th>variant</th><th>folder</th><th>strategy</th><th>codec</th>"
+        "<tr><th>variant</th><th>folder</th><th>strategy</th><th>codec</th><th>optimizer</th>"
         '<th class="num">epochs</th><th class="num">wall time (s)</th></tr>'
     )
     table = f'<div class="scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
