@@ -192,7 +192,7 @@ class Comm:
         self.busy: BusyBoard | None = None  # a lock-step run's: its collectives wait on for a peer that computes
         # a live membership's groups: how long making a group waits for its members (a member may be gone)
         self.connect_s: float | None = None
-        # a blocking all-reduce of more bytes goes through as consecutive pieces of at most this many (Comm._pieces)
+        # an all-reduce of more bytes goes as consecutive pieces of at most this many (Comm._pieces); None: whole
         self.piece_bytes = piece_bytes
 
     # -- who ---------------------------------------------------------------------------------------------
