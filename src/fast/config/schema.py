@@ -51,7 +51,7 @@ class RunConfig(Section):
     allreduce_piece_kb: int = Field(
         0,
         ge=0,
-        description="on real links, blocking all-reduces of more than this many KiB go as consecutive pieces of it "
+        description="on real links, all-reduces of more than this many KiB go as consecutive pieces of it "
         "(each pays the link's latency): a slow link whose queue drops a burst's tail then loses nothing; 0 = whole",
     )
     log_every: int = Field(20, ge=1, description="steps between metric records")

@@ -72,8 +72,8 @@ def network_for(config: Config, size: int, rank: int) -> Network | None:
 
 
 def comm_maker(network: Network | None, piece_kb: int = 0) -> Callable[..., Comm]:
-    """What makes this process's Comm: a plain one (its blocking all-reduces in pieces of `piece_kb` KiB, if set), or
-    one whose traffic crosses the emulated `network` (which drops nothing: its all-reduces go whole)."""
+    """What makes this process's Comm: a plain one (its all-reduces in pieces of `piece_kb` KiB, if set), or one
+    whose traffic crosses the emulated `network` (which drops nothing: its all-reduces go whole)."""
     if network is None:
         return functools.partial(Comm, piece_bytes=piece_kb * 1024 or None)
     from fast.emulation.network import EmulatedComm

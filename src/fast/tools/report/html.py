@@ -170,9 +170,7 @@ def _present(table: dict) -> dict:
     zero durations), nor those that qualify an entry that is off (the pause of stragglers that never happen)."""
 
     def off(value: Any) -> bool:
-        if value is None or value == {} or value == [] or value is False:
-            return True
-        if isinstance(value, int | float):
+        if isinstance(value, int | float):  # (False too)
             return value == 0
         if isinstance(value, str):
             try:
@@ -181,7 +179,7 @@ def _present(table: dict) -> dict:
                 return False
         return False
 
-    kept = {key: value for key, value in table.items() if not off(value)}
+    kept = {key: value for key, value in _given(table).items() if not off(value)}
     return {key: value for key, value in kept.items() if _ONLY_WITH.get(key, key) in kept}
 
 
@@ -322,19 +320,13 @@ def _runs_section(all_variants: list[Variant]) -> str:
     rows = []
     for v in all_variants:
         config = v.run.config
-        strategy = {k: val for k, val in (config.get("strategy") or {}).items() if k != "name"}
-        codec = config.get("codec") or {}
-        codec_options = {k: val for k, val in codec.items() if k != "name"}
-        codec_text = escape(str(codec.get("name", MISSING))) + (f" ({_inline(codec_options)})" if codec_options else "")
-        optimizer = config.get("optimizer") or {}
-        settings = {k: optimizer[k] for k in ("lr", "momentum") if optimizer.get(k) is not None}
-        optimizer_text = escape(str(optimizer.get("name", MISSING))) + (f" ({_inline(settings)})" if settings else "")
+        strategy = (config.get("strategy") or {}) | {"name": v.run.strategy}
         rows.append(
             f'<tr><td><span class="swatch" style="background:{v.colour}"></span>{escape(v.label)}</td>'
             f"<td><code>{escape(str(v.run.directory))}</code></td>"
-            f'<td class="wrap">{escape(v.run.strategy)}{f" ({_inline(strategy)})" if strategy else ""}</td>'
-            f'<td class="wrap">{codec_text}</td>'
-            f'<td class="wrap">{optimizer_text}</td>'
+            f'<td class="wrap">{_named(strategy)}</td>'
+            f'<td class="wrap">{_named(config.get("codec") or {})}</td>'
+            f'<td class="wrap">{_named(config.get("optimizer") or {}, ("lr", "momentum"))}</td>'
             f'<td class="num">{_inline(v.run.summary.get("epochs"))}</td>'
             f'<td class="num">{_seconds(v.run.summary.get("wall_time_s"))}</td></tr>'
         )
@@ -344,6 +336,12 @@ def _runs_section(all_variants: list[Variant]) -> str:
     )
     table = f'<div class="scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
     return f'<section id="runs"><h2>Runs</h2>{table}{_environment(all_variants)}</section>'
+
+
+def _named(table: dict, keys: tuple[str, ...] | None = None) -> str:
+    """A config table as its name and, in brackets, its other entries (or only `keys`) that are set."""
+    options = {k: val for k, val in table.items() if k != "name" and (keys is None or k in keys) and val is not None}
+    return escape(str(table.get("name", MISSING))) + (f" ({_inline(options)})" if options else "")
 
 
 def _seconds(value: Any) -> str:
