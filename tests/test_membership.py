@@ -147,6 +147,44 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 
 
+def test_async_workers_join_and_leave_alone_on_their_lines_to_the_servers(tmp_path, no_orphans):
+    """async-ps: no member waits for another; a killed worker fails its own line, a joiner catches up from the
+    servers, and the work queue hands out every batch once (but the one the killed worker held)."""
+    run = tmp_path / "run"
+    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", "strategy.name": "async-ps"})  # ended by fast stop
+    try:
+        _wait_for_step(run, 60, proc)
+        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
+        _wait_for_step(run, 120, proc)
+        env = {**os.environ, "FAST_PROGRESS": "0"}
+        joiner = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
+        joiner_err = _stop_once_joined(run, joiner, run, 5)  # (ids 0-3 the founders, 4 the server)
+        assert joiner.returncode == 0, joiner_err
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers_at_end"] == 4 and summary["servers"] == 1
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 5]], events
+    assert events[1]["left"] == [{"member": 2, "how": "killed"}]
+    assert events[2]["joined"] == [5] and events[2]["healed"] == [5] and events[2]["healed_from"] == ["servers"]
+    assert events[2]["catch_up_bytes"] > 0 and summary["catch_up_bytes"] == events[2]["catch_up_bytes"]
+    # the joiner started from the servers' live weights, not from a fresh model: its first loss is the others'
+    losses = {m: [r["loss"] for r in map(json.loads, (run / "workers" / f"metrics-{m}.jsonl").read_text().splitlines())
+                  if "loss" in r] for m in (0, 5)}  # fmt: skip
+    assert losses[5][0] < 0.5 * losses[0][0], losses
+    (healed,) = _healed(run, 5)
+    assert healed["from"] == "servers" and healed["batch"] >= 120 * 3
+    # each push is one batch the servers applied: those of the workers at the end and the killed one's before it died
+    pushes, batches = summary["pushes"], summary["samples"] // 32 + _steps(run, 2)
+    assert abs(pushes - batches) <= 1, (pushes, batches)
+    assert not (run / "checkpoints").exists()
+
+
 def _refusals(run: Path, tmp_path: Path) -> None:
     """The secret and the config are checked before anything else: refused in one line, exit code 2."""
     forged = tmp_path / "forged.secret"
@@ -236,6 +274,14 @@ def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(
         ({"run.max_restarts": 1}, "run.elastic with run.max_restarts: restarts every worker from a checkpoint"),
         ({"run.min_workers": 5}, "run.min_workers = 5 is more than the 4 workers the run starts with"),
         ({"strategy.hierarchical": 2}, "`strategy.hierarchical` = 2 with run.elastic"),
+        (
+            {"strategy.name": "async-ps", "run.checkpoint_every": 50},
+            "run.elastic with run.checkpoint_every: the servers' snapshots count a fixed set of workers",
+        ),
+        (
+            {"strategy.name": "async-ps", "run.engine": "simulated"},
+            'run.elastic with run.engine = "simulated": its workers join on lines of real processes',
+        ),
     ],
 )
 def test_what_an_elastic_run_cannot_take_is_refused_in_one_line(options, message):

@@ -104,6 +104,12 @@ def check_membership(config: Config) -> None:
         "codec.name": (config.codec.name != "none", "a codec's residuals are not reset on a membership change yet"),
         "run.accumulate": (run.accumulate > 1, "a change of membership falls between whole steps"),
     }
+    if strategy.joins_alone:  # (fast.runtime.detached)
+        refused |= {
+            "run.checkpoint_every": (run.checkpoint_every > 0, "the servers' snapshots count a fixed set of workers"),
+            "[network]": (config.network is not None, "its workers' own lines to the servers have no emulated links"),
+            'run.engine = "simulated"': (run.engine == "simulated", "its workers join on lines of real processes"),
+        }
     for key, (set_, why) in refused.items():
         if set_:
             raise ConfigError(f"run.elastic with {key}: {why}; leave one of them out")

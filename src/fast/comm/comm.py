@@ -259,21 +259,34 @@ class Comm:
     def _through_host(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` must cross as a CPU copy: gloo's point-to-point moves host memory only (its collectives
         take CUDA tensors; two workers sharing one GPU have gloo, fast.comm.bootstrap.backend_for)."""
-        return tensor.is_cuda and dist.get_backend(self.group) == "gloo"
+        return tensor.is_cuda and self.backend() == "gloo"
+
+    def backend(self) -> str:
+        return dist.get_backend(self.group)
+
+    def _addressed(self, key: str, rank: int | None) -> dict[str, int | None]:
+        """How torch is told a peer (`key`: "dst" or "src"): by its global rank."""
+        return {key: rank}
+
+    def _sender(self, work: Any) -> int:
+        """The rank whose message a completed receive-from-any took."""
+        return sender_of(work, self.group)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         tensor = tensor.cpu() if self._through_host(tensor) else tensor
-        work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, dst=dst, group=self.group, tag=tag)
+        work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, group=self.group, tag=tag,
+                    **self._addressed("dst", dst))  # fmt: skip
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
         return Handle(work, "send", f"worker {dst}", self.deadline_s)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         peer = f"worker {src}" if src is not None else "any worker"
         landing = torch.empty_like(tensor, device="cpu") if self._through_host(tensor) else tensor
-        work = post("recv", peer, self.deadline_s, dist.irecv, landing, src=src, group=self.group, tag=tag)
+        work = post("recv", peer, self.deadline_s, dist.irecv, landing, group=self.group, tag=tag,
+                    **self._addressed("src", src))  # fmt: skip
 
         def done() -> torch.Tensor:
-            peer = src if src is not None else sender_of(work, self.group)
+            peer = src if src is not None else self._sender(work)
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor.copy_(landing) if landing is not tensor else tensor
 
@@ -291,7 +304,7 @@ class Comm:
         """Receive into `tensor` from whichever peer sends first; returns that peer's rank."""
         work = post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
         Handle(work, "recv", "any worker", self.deadline_s).wait()
-        peer = sender_of(work, self.group)
+        peer = self._sender(work)
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
         return peer
 

@@ -69,6 +69,9 @@ class _Waiter:
                 future.set_result(job())
             except BaseException as e:  # handed to the caller by future.result()
                 future.set_exception(e)
+            # the exception's traceback holds this frame: a future (and the tensor of its operation) left here would
+            # form a cycle, and torch aborts the process when the garbage collector clears a tensor that gloo holds
+            job = future = None
             with self._lock:
                 self._free += 1
 
@@ -97,20 +100,26 @@ class PatientGroup:
         future = timing.shared("waiter", _Waiter).submit(job)
         interrupted = self.comm.interrupted
         end = timing.now() + deadline_s
-        with waiting():
-            while True:  # (a live membership: in slices, to give up as soon as the membership changes)
-                try:
-                    return future.result(deadline_s if interrupted is None else min(0.25, max(0.0, end - timing.now())))
-                except timing.FutureTimeout:
-                    if interrupted is not None and timing.now() < end:
-                        reason = interrupted()
-                        if reason is None:
-                            continue
-                        raise CommError(f"{handle.op} with {handle.peer} given up: {reason}") from None
-                    raise CommTimeout(
-                        f"{handle.op} with {handle.peer} did not complete within {deadline_s:g}s: the peer is "
-                        "gone or stuck (raise run.deadline_s if it is only slow)"
-                    ) from None
+        try:
+            with waiting():
+                while True:  # (a live membership: in slices, to give up as soon as the membership changes)
+                    try:
+                        slice_s = deadline_s if interrupted is None else min(0.25, max(0.0, end - timing.now()))
+                        return future.result(slice_s)
+                    except timing.FutureTimeout:
+                        if interrupted is not None and timing.now() < end:
+                            reason = interrupted()
+                            if reason is None:
+                                continue
+                            raise CommError(f"{handle.op} with {handle.peer} given up: {reason}") from None
+                        raise CommTimeout(
+                            f"{handle.op} with {handle.peer} did not complete within {deadline_s:g}s: the peer is "
+                            "gone or stuck (raise run.deadline_s if it is only slow)"
+                        ) from None
+        finally:
+            # an error the future re-raises holds this frame in its traceback: the future, holding the error, would
+            # close a cycle, and torch aborts the process when the garbage collector clears a tensor gloo still holds
+            future = job = None  # noqa: F841
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, droppable: bool = False,
              deadline_s: float | None = None) -> None:  # fmt: skip

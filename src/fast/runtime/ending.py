@@ -191,6 +191,10 @@ class Ending:
         self.records.close()
         if self.strategy.survives_failures and not self.elastic:  # (an elastic run's members end together)
             return self._gather_from_survivors()
+        if self.detached:  # worker 0 alone evaluates the servers' final weights, which every worker holds
+            if self._eval_fn is not None:
+                self._evaluate(self._eval_fn, final=True)
+            return self._gather_through_store(self.model if self.is_main else None)
         model = None
         if self._eval_fn is not None:
             self._evaluate(self._eval_fn, final=True)
@@ -201,7 +205,9 @@ class Ending:
         return self._gather_and_write(model)
 
     def _finish_server(self) -> None:
-        if self.strategy.survives_failures:
+        if self.detached:
+            self._gather_through_store(None)
+        elif self.strategy.survives_failures:
             self._gather_from_survivors()
         else:
             self._gather_and_write(None)

@@ -87,7 +87,10 @@ class Evaluating:
         strategy = self.strategy
         # during the run, worker 0 alone where a peer may be gone (its strategy survives it, or the membership
         # re-forms without it)
-        collective = final or (strategy.collective_eval and not strategy.survives_failures and not self.elastic)
+        # (detached members of an elastic run share no group: worker 0 alone, at the end too)
+        collective = (final and not self.detached) or (
+            strategy.collective_eval and not strategy.survives_failures and not self.elastic
+        )
         if not collective and not self.is_main:
             return {}
         if collective and not final and self.workers > 1:  # a collective must find every worker here, at this step

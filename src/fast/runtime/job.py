@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fast.assemble import load_config, world_size
+from fast.assemble import load_config, strategy_for, world_size
 from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
 from fast.comm.busy import BUSY_LIMIT_S, BusyBoard
@@ -50,6 +50,7 @@ from fast.runtime import control, files
 from fast.runtime.checkpoints import Checkpointing
 from fast.runtime.clock import Clock
 from fast.runtime.control import Control
+from fast.runtime.detached import Detached
 from fast.runtime.ending import Ending
 from fast.runtime.evaluation import Evaluating
 from fast.runtime.launch import name_process
@@ -188,7 +189,7 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool
     files.write_text(run_dir / "config.toml", config.as_used_toml(fast_loop))
 
 
-class Job(Evaluating, Checkpointing, Ending, Live):
+class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
 
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
@@ -201,6 +202,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.workers = run.workers
         # live membership: the rank is the member's id for the run's life, its place in a group changes
         self.elastic = run.elastic
+        self.detached = self.elastic and strategy_for(config).joins_alone  # (fast.runtime.detached)
         if self.elastic and not self.simulated and "FAST_MEMBERSHIP" not in os.environ:
             raise ConfigError("run.elastic: start the run with `fast train` or `fast run`, whose launcher keeps its "
                               "membership (not torchrun, nor the script alone)")  # fmt: skip
@@ -213,7 +215,9 @@ class Job(Evaluating, Checkpointing, Ending, Live):
                 f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
                 "strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes (torchrun) to match"
             )
-        self.is_server = not self.elastic and self.rank >= self.workers
+        # an elastic run's servers are launched with it (joiners' ids come after theirs); only detached ones have any
+        founder = os.environ.get("FAST_JOINING") != "1"
+        self.is_server = self.rank >= self.workers and (not self.elastic or (self.detached and founder))
         self.is_worker = not self.is_server
         self.is_main = self.rank == 0
         self.finished = False
@@ -229,7 +233,9 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         if self.is_main:
             prepare_run_dir(config, run_dir, resume, self.loop_is_fast)
         self.device = engine.device_for(run.device)
-        if self.elastic:
+        if self.detached:
+            self._start_detached()  # the world: this process's line (a server's: worker 0's)
+        elif self.elastic:
             self._start_membership()  # the world, its group and the control group, from the newest generation
         self.world: Comm = (
             self.world
@@ -249,7 +255,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         partition = [list(range(self.workers))]
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
-        self.comm = self.world.subgroups(partition) if len(partition) > 1 else self.world
+        self.comm = self.world.subgroups(partition) if len(partition) > 1 and not self.detached else self.world
         run_shared_memory = run.shared_memory and not self.elastic
         if run_shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
             for comm in self._own_groups():
@@ -268,6 +274,8 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             steps_per_epoch=1,
             save_checkpoint=self._save_server_checkpoint if self.is_server else None,
             serving=self.machine.serving,
+            lines=self.server_lines if self.detached and self.is_server else None,
+            server=self.is_server,
         )
         self.strategy: Strategy = build_strategy(config, self.context)
         self.busy = self._busy_board()
@@ -288,7 +296,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             autocast=self._autocast_factory(),
         )
         self.driver.on_begin = self._step_begins
-        if self.elastic:
+        if self.elastic and not self.detached:  # (a detached worker's line fails alone: a server is gone)
             self.driver.on_failure = self._step_failed
         self._schedule_state: dict[str, Any] | None = None
         self._checkpoint_due = False
@@ -377,16 +385,19 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.model, self.optimizer = model, optimizer
         if self.world_size > self.workers and self.is_main:
             layout = ModelLayout.of(model)
+            servers = range(1, self.world.size) if self.detached else range(self.workers, self.world_size)
             with self.world.unmetered():
-                for server in range(self.workers, self.world_size):
+                for server in servers:
                     self.world.send(torch.tensor([layout.parameters, layout.state]), server, tag=LAYOUT_TAG)
-        if self.elastic:
+        if self.elastic and not self.detached:
             self._set_up_live(lambda: self.strategy.setup(model, optimizer))
         else:
             self.strategy.setup(model, optimizer)
         self.driver.attach(model, optimizer)
         offset = self._restore() if self.resuming else 0.0
-        if self.elastic:  # the common start: every member from member 0's state
+        if self.detached:  # every worker from the servers' weights
+            self._catch_up()
+        elif self.elastic:  # the common start: every member from member 0's state
             self._first_heal()
         else:
             self.world.barrier()  # the common start, servers included
@@ -466,6 +477,8 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             return
         total = math.ceil(epochs * self.steps_per_epoch)
         self.total_steps = min(total, self.config.run.max_steps or total)
+        if self.detached:  # each worker takes what it can of the work queue, which ends the run
+            self.total_steps = self.config.run.max_steps
         self.records.show_progress(self.config.run.name, self.total_steps, self.steps_per_epoch,
                                    self.batch_size * self.workers)  # fmt: skip
 
@@ -487,7 +500,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         that the run's length may be known."""
         self._flush_checkpoint()
         self._settle()
-        if self.elastic:
+        if self.elastic and not self.detached:
             self._membership_boundary()
         if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
             self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
@@ -504,7 +517,7 @@ class Job(Evaluating, Checkpointing, Ending, Live):
             self.schedule.step()
         done = self.step
         self.trained_s = self.clock.now()
-        if self.elastic:  # the step is taken: the data cursor moves past the batches of every member
+        if self.elastic and not self.detached:  # the step is taken: the data cursor moves past every member's batch
             self.data_cursor += self.workers * self.batch_size
         elif self.lockstep and self._check_due(done):
             self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
@@ -616,8 +629,10 @@ class Job(Evaluating, Checkpointing, Ending, Live):
     # -- the process's end -------------------------------------------------------------------------------------------
     def _close(self) -> None:
         self.finished = True
-        if self.elastic:
+        if self.elastic and not self.is_server:
             self._close_membership()
+        if self.detached:
+            self._close_lines()
         self.driver.detach()
         self.records.close()
         if self.busy is not None:
@@ -637,7 +652,8 @@ class Job(Evaluating, Checkpointing, Ending, Live):
         self.strategy.setup_server(ModelLayout(int(layout[0]), int(layout[1])))
         if self.resuming:
             self._restore()
-        self.world.barrier()
+        if not self.detached:
+            self.world.barrier()
         self.machine.start(self.world)
         self.clock = Clock()
         self.strategy.serve()

@@ -154,6 +154,9 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         job = self.job
+        if getattr(job, "detached", False):
+            yield from self._queue()
+            return
         if getattr(job, "elastic", False):
             yield from self._cursor()
             return
@@ -192,6 +195,24 @@ class ShardedLoader:
             start = job.data_cursor + job.world.index() * b
             self.taken += 1
             yield next(self._fetch([order[start : start + b]]))
+
+    def _queue(self) -> Iterator[Any]:
+        """One pass of an elastic run's detached workers (fast.runtime.detached): the batches this worker takes
+        from the run's work queue, through the epoch's order, until the queue moves to the next epoch."""
+        job, b = self.job, self.batch_size
+        self.epoch, per_epoch = job.data_epoch, len(self.shard) // b
+        order = self.shard
+        if self.shuffle:
+            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, 0)]
+        self.taken = 0
+        while (taken := job._take_batch(per_epoch)) is not None:
+            epoch, index = taken
+            if epoch != self.epoch:  # the queue is past this epoch: the next pass takes the batch
+                job.data_epoch = epoch
+                return
+            job._batch_taken()
+            self.taken += 1
+            yield next(self._fetch([order[index * b : (index + 1) * b]]))
 
     def _start(self) -> tuple[int, int]:
         """(epoch, batches to skip) of this pass: the next epoch, or where a resumed run stopped."""

@@ -95,13 +95,13 @@ def _store(host: str, port: int, *, hosting: bool = False, timeout_s: float = 30
     return store
 
 
-def _get(store: Any, key: str) -> bytes | None:
+def read_key(store: Any, key: str) -> bytes | None:
     return store.get(PREFIX + key) if store.check([PREFIX + key]) else None
 
 
 def _closed(store: Any) -> bool:
     """Whether the run takes no more changes but departures (closed to joiners, or ending)."""
-    return _get(store, "closed") is not None or _get(store, "ending") is not None
+    return read_key(store, "closed") is not None or read_key(store, "ending") is not None
 
 
 def _proof(secret: bytes, challenge: str, request: int | str, config_text: str) -> str:
@@ -124,7 +124,8 @@ def config_difference(run: Config, joiner: Config) -> str | None:
 class Coordinator:
     """The run's membership, kept by its launcher: hosts the store, admits joiners, publishes generations."""
 
-    def __init__(self, run_dir: Path, config: Config, addr: str, founders: int) -> None:
+    def __init__(self, run_dir: Path, config: Config, addr: str, founders: int,
+                 first_joiner: int | None = None) -> None:  # fmt: skip
         self.run_dir, self.config = run_dir, config
         self.store = _store(addr, config.run.master_port if config.run.master_port else 0, hosting=True)
         self.address = (addr, self.store.port)
@@ -134,7 +135,7 @@ class Coordinator:
         files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.store.port}))
         self.members = list(range(founders))
         self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
-        self.next_id = founders
+        self.next_id = founders if first_joiner is None else first_joiner  # (the ids between: the servers)
         self.generation = Generation(0, list(self.members), unix_time=time.time())
         self._exited: dict[int, str] = {}
         self._seen_requests = self._seen_stops = 0
@@ -151,9 +152,10 @@ class Coordinator:
         return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}"}
 
     def started(self) -> bool:
-        """Whether a generation's group has formed yet (training has started)."""
+        """Whether a generation's group has formed yet, or worker 0 says it has started (training has started)."""
         if not self._started:
-            self._started = _get(self.store, f"settled/{self.generation.number}") == b"formed"
+            formed = read_key(self.store, f"settled/{self.generation.number}") == b"formed"
+            self._started = formed or read_key(self.store, "started") is not None
         return self._started
 
     def exited(self, member: int, exit_code: int | None) -> bool:
@@ -161,7 +163,7 @@ class Coordinator:
         how = "killed" if exit_code is not None and exit_code < 0 else f"exited with code {exit_code}"
         with self._lock:
             self._exited[member] = how
-        return _get(self.store, PREFIX + f"evict/{member}") is not None
+        return read_key(self.store, PREFIX + f"evict/{member}") is not None
 
     def evict(self, member: int, how: str) -> None:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
@@ -192,15 +194,15 @@ class Coordinator:
 
     def _round(self) -> None:
         self._stops()
-        if _get(self.store, "ending") is not None:
+        if read_key(self.store, "ending") is not None:
             return
-        closed = _get(self.store, "closed") is not None  # nobody comes in any more; departures still count
+        closed = read_key(self.store, "closed") is not None  # nobody comes in any more; departures still count
         left = self._departures()
         if not closed:
             self.pending += self._admissions()
         # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
-        joined = [] if closed else [m for m in self.pending if _get(self.store, f"ready/{m}") is not None]
-        gave_up = [m for m in self.pending if _get(self.store, f"leave/{m}") is not None]
+        joined = [] if closed else [m for m in self.pending if read_key(self.store, f"ready/{m}") is not None]
+        gave_up = [m for m in self.pending if read_key(self.store, f"leave/{m}") is not None]
         self.pending = [m for m in self.pending if m not in joined and m not in gave_up]
         # a member whose collective failed in the newest generation, with no departure to explain it: form it again
         suspected = int(self.store.add(PREFIX + f"suspicions/{self.generation.number}", 0)) > 0
@@ -217,8 +219,8 @@ class Coordinator:
         with self._lock:
             exited = dict(self._exited)
         for member in self.members:
-            said = _get(self.store, f"leave/{member}")
-            beat = _get(self.store, f"heartbeat/{member}")
+            said = read_key(self.store, f"leave/{member}")
+            beat = read_key(self.store, f"heartbeat/{member}")
             if said is not None:
                 left.append({"member": member, "how": said.decode()})
             elif member in exited:
@@ -233,7 +235,7 @@ class Coordinator:
         requests = int(self.store.add(PREFIX + "requests", 0))
         while self._seen_requests < requests:
             number = self._seen_requests + 1
-            written = _get(self.store, f"request/{number}")
+            written = read_key(self.store, f"request/{number}")
             if written is None:  # counted, not written yet: the next round
                 break
             self._seen_requests = number
@@ -256,7 +258,7 @@ class Coordinator:
         requests = int(self.store.add(PREFIX + "stops", 0))
         while self._seen_stops < requests:
             number = self._seen_stops + 1
-            written = _get(self.store, f"stop/{number}")
+            written = read_key(self.store, f"stop/{number}")
             if written is None:
                 break
             self._seen_stops = number
@@ -301,6 +303,7 @@ class Member:
             raise RunEnded(f"the run's membership at {address} does not answer: the run has ended") from None
         self._stop = threading.Event()
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
+        self._ending = False  # worker 0 has ended, as the heartbeat last read it
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
         self._beats.start()
 
@@ -309,8 +312,9 @@ class Member:
         while True:
             try:
                 store.set(PREFIX + f"heartbeat/{self.id}", repr(time.time()))
-                evicted = _get(store, f"evict/{self.id}")
+                evicted = read_key(store, f"evict/{self.id}")
                 self._asked_to_stop = self._asked_to_stop or bool(store.check([PREFIX + "stopping"]))
+                self._ending = self._ending or bool(store.check([PREFIX + "ending"]))
             except Exception:  # the run's launcher is gone: the lifeline ends this process
                 return
             if evicted is not None and not _closed(store):  # [faults] churn: a crash, or SIGTERM
@@ -341,7 +345,7 @@ class Member:
                 if including is None or including in generation.members:
                     return generation
                 after = newest
-            if _get(self.store, "ended") is not None or _get(self.store, "ending") is not None:
+            if read_key(self.store, "ended") is not None or read_key(self.store, "ending") is not None:
                 raise RunEnded("the run ended before this worker could take part again")
             if time.monotonic() - start > self.deadline_s:
                 raise RunEnded(f"no new membership within run.deadline_s = {self.deadline_s:g}s")
@@ -352,11 +356,11 @@ class Member:
         or False, and none does (a newer generation came first, or a member never came). The first member to see
         either settles it for all, by compare-and-set."""
         key, settled = PREFIX + f"arrived/{generation.number}", PREFIX + f"settled/{generation.number}"
-        if _get(self.store, f"settled/{generation.number}") is None:
+        if read_key(self.store, f"settled/{generation.number}") is None:
             self.store.add(key, 1)
         start = time.monotonic()
         while True:
-            decided = _get(self.store, f"settled/{generation.number}")
+            decided = read_key(self.store, f"settled/{generation.number}")
             if decided is not None:
                 return decided == b"formed"
             if int(self.store.add(key, 0)) >= len(generation.members):
@@ -392,6 +396,14 @@ class Member:
         heartbeat every HEARTBEAT_S, so that a step asks the store nothing more."""
         return self._asked_to_stop
 
+    def ending_seen(self) -> bool:
+        """Whether worker 0 has ended the run (read by the heartbeat, like `stopping`)."""
+        return self._ending
+
+    def started(self) -> None:
+        """Worker 0 has started training (for a run whose members form no group until the end)."""
+        self.store.set(PREFIX + "started", "1")
+
     def leave(self, how: str) -> None:
         try:
             self.store.set(PREFIX + f"leave/{self.id}", how)
@@ -412,6 +424,12 @@ class Member:
         self._stop.set()
 
 
+def connect(address: str, timeout_s: float) -> Any:
+    """A connection of its own to the run's store at `address` (HOST:PORT)."""
+    host, port = address.rsplit(":", 1)
+    return _store(host, int(port), timeout_s=timeout_s)
+
+
 def report_left(address: str, member: int, how: str) -> None:
     """A joiner's launcher saw its worker end: the coordinator drops it now, not at the end of its heartbeats."""
     host, port = address.rsplit(":", 1)
@@ -429,14 +447,14 @@ def _reach(command: str, address: str, timeout_s: float) -> Any:
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"{command}: no run answers at {address} ({str(e).splitlines()[0]}): check the address "
                           "and that the run is still going") from None  # fmt: skip
-    if _get(store, "ended") is not None or _get(store, "ending") is not None:
+    if read_key(store, "ended") is not None or read_key(store, "ending") is not None:
         raise RunEnded(f"the run at {address} has ended: there is nothing to {command.split()[-1]}")
     return store
 
 
 def _answer(store: Any, key: str, what: str, timeout_s: float) -> bytes:
     start = time.monotonic()
-    while (answer := _get(store, key)) is None:
+    while (answer := read_key(store, key)) is None:
         if time.monotonic() - start > timeout_s:
             raise RunEnded(f"the run did not answer the {what} within {timeout_s:g}s")
         time.sleep(POLL_S)

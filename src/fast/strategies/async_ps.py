@@ -7,6 +7,9 @@ server its slice of the gradients summed since its last push; every `pull_every`
 The workers' optimizer does not step unless `local_steps`. `staleness_lr` divides each update by its staleness
 (Zhang et al. 2016); `delay_compensation = λ` applies DC-ASGD (Zheng et al. 2017). A `[codec]` encodes pushes.
 
+In an elastic run (`run.elastic`) the workers join and leave alone (fast.runtime.detached): each on a line of its
+own to the servers (ranks 1.. of it), a joiner catching up with a pull.
+
 On the server protocol (fast.strategies.server): a dead worker is forgotten; at the end each worker pushes what it
 has, says DONE (with its lost pulls) and gets the final weights and the servers' figures. On a lossy emulated
 link a lost push is an update skipped, a lost pull keeps the replica's slice. A worker's CHECKPOINT marker,
@@ -22,7 +25,7 @@ from pydantic import Field
 from torch import nn
 
 from fast.codecs import Codec
-from fast.comm import Comm, Handle, MessageLost
+from fast.comm import Comm, Handle, MessageLost, timing
 from fast.comm.patience import PatientGroup
 from fast.config import Config
 from fast.errors import ConfigError
@@ -59,6 +62,9 @@ class AsyncPS(ServerStrategy):
     state_key = "shard"
     tags = (HEADER_TAG, PAYLOAD_TAG, FINAL_TAG, STATS_TAG)
     cost_options = frozenset({"servers", "push_every", "pull_every"})
+    joins = True
+    joins_alone = True
+    joins_when = "any step, each worker alone (its own lines to the servers)"
 
     @classmethod
     def server_count(cls, options: AsyncPSOptions, workers: int) -> int:
@@ -87,10 +93,13 @@ class AsyncPS(ServerStrategy):
 
     def _layout(self, numel: int) -> None:
         self.numel = numel
-        self.servers = list(range(self.ctx.workers, self.ctx.workers + self.options.servers))
+        first = 1 if self.ctx.config.run.elastic else self.ctx.workers  # (a detached worker's line: it, then them)
+        self.servers = list(range(first, first + self.options.servers))
         self.bounds = shard_bounds(numel, self.options.servers)
         self.codec = self.make_codec()
         self.line = PatientGroup(self.world)  # requests, weights, the end: one line that never times gloo out
+        self.lines_of_members: dict[int, PatientGroup] = {}  # a server's, to an elastic run's detached workers
+        self.one_at_a_time = timing.Lock()  # requests read on several lines are answered as one line's are
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
@@ -102,11 +111,15 @@ class AsyncPS(ServerStrategy):
         self.lost_from = [0] * len(self.servers)  # pulls whose answer was lost, per server
         self.totals: dict[str, int] = {}  # the servers' figures, handed over at the end
         self.compensation = None  # the servers' momentum is compensated (fast.strategies.shard), not the workers'
-        if self.comm.index() == 0:  # the servers start from the workers' common initial weights
+        if self.ctx.rank == 0:  # the servers start from the workers' common initial weights
             flat = self.params.read()
             with self.line.unmetered():
                 for server, (start, end) in zip(self.servers, self.bounds, strict=True):
                     self.line.send(flat[start:end].contiguous(), server, FINAL_TAG)
+
+    def catch_up(self) -> None:
+        """The servers' weights (an elastic run's worker, at its start)."""
+        self._exchange(PULL, True)
 
     def gradients_stay_local(self, step: int) -> bool:
         return True  # until the optimizer steps (below), where FAST's guard has cleared a non-finite one
@@ -188,7 +201,7 @@ class AsyncPS(ServerStrategy):
         return state | ({"codec": self.codec.state_dict()} if self.codec is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.ctx.rank >= self.ctx.workers:
+        if self.ctx.server:
             return self.load_server_state(state)
         self.accumulated.copy_(state["accumulated"])
         self.steps_since_push = int(state["steps_since_push"])
@@ -197,33 +210,50 @@ class AsyncPS(ServerStrategy):
             self.codec.load_state_dict(state["codec"])
 
     def summary(self) -> dict[str, Any]:  # a server's updates applied; a worker's totals over the servers
-        return self.live.figures_for_summary() if self.ctx.rank >= self.ctx.workers else dict(self.totals)
+        return self.live.figures_for_summary() if self.ctx.server else dict(self.totals)
 
     def open(self, layout: ModelLayout) -> ShardState:
         self._layout(layout.parameters)
         start, end = self.bounds[self.ctx.rank - self.ctx.workers]
-        with self.line.unmetered():
-            shard = self.line.recv(torch.empty(end - start, device=self.ctx.device), 0, FINAL_TAG)
+        line, rank = self._to(0)
+        with line.unmetered():
+            shard = line.recv(torch.empty(end - start, device=self.ctx.device), rank, FINAL_TAG)
         cfg, lr = self.ctx.config.optimizer, self.options.server_lr
         return ShardState(shard, self.options, lr or cfg.lr, cfg.weight_decay, self.ctx.workers, cfg.momentum)
 
     def lines(self) -> list[Line]:
         return [Line(self.line.comm, None, self._read)]
 
+    def line_of(self, member: int) -> Line:
+        return Line(self._to(member)[0].comm, member, self._read)
+
+    def _to(self, worker: int) -> tuple[PatientGroup, int]:
+        """A server's line to `worker` and the worker's rank on it: the one line of every worker, or an elastic
+        run's detached worker's own (where it is rank 0)."""
+        if self.ctx.lines is None:
+            return self.line, worker
+        if worker not in self.lines_of_members:
+            self.lines_of_members[worker] = PatientGroup(self.ctx.lines.line(worker))
+            if getattr(self, "live", None) is not None:
+                self.live.admit(worker)
+        return self.lines_of_members[worker], 0
+
     def _read(self, comm: Comm, peer: int | None) -> Request:
         head = torch.zeros(2, dtype=torch.int64)
-        worker = comm.recv_from(head, tag=HEADER_TAG)  # no deadline: a worker may be quiet for long
+        source = comm.recv_from(head, tag=HEADER_TAG)  # no deadline: a worker may be quiet for long
+        worker = source if peer is None else peer
         kind, arg = (int(v) for v in head)
         if kind in (DONE, CHECKPOINT):
             return Request(worker, DONE_REQUEST, data=arg) if kind == DONE else Request(worker, MARKER, arg)
         gradient = None
         if kind == PUSH:
             shape = self.live.shard.shape
+            line, rank = self._to(worker)
             try:
                 if self.codec is None:
-                    gradient = self.line.recv(torch.empty(shape, device=self.ctx.device), worker, PAYLOAD_TAG)
+                    gradient = line.recv(torch.empty(shape, device=self.ctx.device), rank, PAYLOAD_TAG)
                 else:
-                    gradient = recv_encoded(comm, self.codec, shape, worker, tag=PAYLOAD_TAG)
+                    gradient = recv_encoded(comm, self.codec, shape, rank, tag=PAYLOAD_TAG)
             except MessageLost:  # not a death: the update is skipped
                 gradient = MessageLost
         return Request(worker, WORK, data=(kind, bool(arg), gradient))
@@ -231,7 +261,7 @@ class AsyncPS(ServerStrategy):
     def answer(self, request: Request) -> None:
         """A push (its update, or a skip if the gradient was lost on its link), then a pull's answer (droppable)."""
         kind, pull, gradient = request.data
-        with self.snapshots.applying(request.sender) as states:
+        with self.one_at_a_time, self.snapshots.applying(request.sender) as states:
             for state in states:
                 if gradient is MessageLost:
                     state.skip()
@@ -239,7 +269,8 @@ class AsyncPS(ServerStrategy):
                     state.apply(request.sender, gradient)
             if pull:
                 sent = self.live.shard.detach()
-                self.line.send(sent, request.sender, PAYLOAD_TAG, droppable=True)
+                line, rank = self._to(request.sender)
+                line.send(sent, rank, PAYLOAD_TAG, droppable=True)
                 for state in states:
                     state.pulled(request.sender, sent)
 
@@ -247,9 +278,10 @@ class AsyncPS(ServerStrategy):
         self.live.lost_pulls += request.data  # as the worker counted them
 
     def farewell(self, worker: int) -> None:
-        self.line.send(self.live.shard.detach(), worker, FINAL_TAG)
-        with self.line.unmetered():
-            self.line.send(self.live.figures(), worker, STATS_TAG)
+        line, rank = self._to(worker)
+        line.send(self.live.shard.detach(), rank, FINAL_TAG)
+        with line.unmetered():
+            line.send(self.live.figures(), rank, STATS_TAG)
 
     def last_step(self, worker: int) -> int:  # the last of its steps whose gradient this server applied
-        return self.live.updates_from[worker] * self.options.push_every
+        return self.live.updates_from.get(worker, 0) * self.options.push_every

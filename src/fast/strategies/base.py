@@ -56,6 +56,9 @@ class Strategy:
     joins: ClassVar[bool] = False
     joins_when: ClassVar[str] = "every step"  # when a change may happen (`change_point`), for the reference
     joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
+    # True: its workers never step together, so an elastic run's members take no membership rounds: each joins on
+    # lines of its own to the servers and heals by `catch_up` from them (fast.runtime.detached)
+    joins_alone: ClassVar[bool] = False
     # what a joiner's catch-up carries besides the weights and the optimizer (`fast predict`): model-sized copies
     # of the strategy's own state (DiLoCo: θ and the outer momentum)
     catch_up_copies: ClassVar[float] = 0.0
@@ -190,6 +193,10 @@ class Strategy:
         if not self.replicas_differ:
             return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {k: v for k, v in self.state_dict().items() if k != "codec"}
+
+    def catch_up(self) -> None:
+        """A worker of a strategy that `joins_alone` takes the live state from its servers (a joiner's catch-up)."""
+        raise NotImplementedError(f"strategy {self.name} does not join alone")
 
     def regroup(self) -> None:
         """The membership changed (`self.comm` is the new group's): re-make what was built on the old group."""

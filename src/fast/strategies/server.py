@@ -52,30 +52,50 @@ class Line:
 
 
 class ServerLoop:
-    def __init__(self, server: ServerStrategy, senders: list[int], lines: list[Line]) -> None:
-        self.server, self.senders, self.lines = server, senders, lines
+    def __init__(self, server: ServerStrategy, senders: list[int], lines: list[Line],
+                 more_may_come: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+        self.server, self.senders, self.lines = server, list(senders), lines
+        self.more_may_come = more_may_come  # an elastic run's: senders may still join (`add`)
         self.done: set[int] = set()
         self.heard: dict[int, float] = {}
         self.changed = timing.Condition()
         self.error: BaseException | None = None
         self.pending: list[Handle] = []  # probes nobody receives, kept to the end
+        self.running = False
 
     def run(self) -> set[int]:
-        """Serve until every sender is done or lost; returns the live senders that said done."""
-        threads = [timing.Thread(self._read, "fast-server", args=(line,))
-                   for line in self.lines]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        self._wait()
+        """Serve until every sender is done or lost (and no more may come); returns the live senders that said
+        done."""
+        with self.changed:
+            self.running = True
+            for line in self.lines:
+                timing.Thread(self._read, "fast-server", args=(line,)).start()
+        while True:
+            self._wait()
+            if not self.more_may_come():
+                break
+            with self.changed:
+                self.changed.wait(0.1)
         self.server.save_snapshots(self.done)
         return self.done - self.server.dead
 
+    def add(self, sender: int, line: Line) -> None:
+        """A sender that joined the run, on a line of its own."""
+        with self.changed:
+            self.senders.append(sender)
+            self.lines.append(line)
+            if self.running:
+                timing.Thread(self._read, "fast-server", args=(line,)).start()
+            self.changed.notify_all()
+
     def _read(self, line: Line) -> None:
         try:
-            while not self._over():
+            while not self._over(line.peer):
                 try:
                     request = line.read(line.comm, line.peer)
                 except CommError as e:
+                    if self._over(line.peer):  # (its line closed at the end)
+                        return
                     if line.peer is None:
                         raise
                     self._lost(line.peer, str(e))
@@ -86,9 +106,11 @@ class ServerLoop:
                 self.error = e
                 self.changed.notify_all()
 
-    def _over(self) -> bool:
+    def _over(self, peer: int | None) -> bool:
+        """Whether a line's reading is over: its sender's (one sender's line), or every sender's."""
         with self.changed:
-            return all(s in self.done or s in self.server.dead for s in self.senders)
+            senders = self.senders if peer is None else [peer]
+            return all(s in self.done or s in self.server.dead for s in senders)
 
     def _handle(self, request: Request) -> None:
         sender = request.sender
@@ -129,7 +151,7 @@ class ServerLoop:
             return [s for s in self.senders if s not in self.done and s not in self.server.dead]
 
         def probe_sender(sender: int) -> str | None:
-            return probe(self.server.line_to(sender), sender, self.pending)
+            return probe(*self.server.line_to(sender), self.pending)
 
         def found_dead(sender: int, why: str) -> None:
             self._lost(sender, f"probed after silence: {why}")
@@ -163,7 +185,14 @@ class ServerStrategy(Strategy):
         self.snapshots = Snapshots(self.live, len(self.senders()))
 
     def serve(self) -> None:
-        for sender in sorted(ServerLoop(self, self.senders(), self.lines()).run()):
+        lines = self.ctx.lines
+        if lines is None:
+            loop = ServerLoop(self, self.senders(), self.lines())
+        else:  # an elastic run's workers, each on a line of its own, as they come (fast.runtime.detached)
+            loop = ServerLoop(self, [], [], more_may_come=lambda: not lines.closed())
+            for member in lines.follow(lambda member, comm: loop.add(member, self.line_of(member))):
+                loop.add(member, self.line_of(member))
+        for sender in sorted(loop.run()):
             try:
                 self.farewell(sender)
             except CommError as e:
@@ -174,7 +203,10 @@ class ServerStrategy(Strategy):
         raise NotImplementedError
 
     def senders(self) -> list[int]:
-        """The ranks that send requests (the workers; EA-wild: the group leaders)."""
+        """The ranks that send requests (the workers; EA-wild: the group leaders; an elastic run's detached
+        workers: those whose lines have formed)."""
+        if self.ctx.lines is not None:
+            return list(self.ctx.lines.lines)
         return list(range(self.ctx.workers))
 
     def sender_index(self, sender: int) -> int:
@@ -183,10 +215,15 @@ class ServerStrategy(Strategy):
     def lines(self) -> list[Line]:
         raise NotImplementedError
 
-    def line_to(self, sender: int) -> Comm:
-        """The Comm a sender's requests come on (to probe it)."""
-        lines = self.lines()
-        return next((line.comm for line in lines if line.peer == sender), lines[0].comm)
+    def line_of(self, member: int) -> Line:
+        """The line of an elastic run's detached worker (fast.runtime.detached), for strategies that `joins_alone`."""
+        raise NotImplementedError
+
+    def line_to(self, sender: int) -> tuple[Comm, int]:
+        """The Comm a sender's requests come on, and the sender's rank in it (to probe it)."""
+        lines = self.lines() if self.ctx.lines is None else [self.line_of(sender)]
+        comm = next((line.comm for line in lines if line.peer == sender), lines[0].comm)
+        return comm, (0 if self.ctx.lines is not None else sender)
 
     def answer(self, request: Request) -> None:
         raise NotImplementedError

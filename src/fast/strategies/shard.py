@@ -82,6 +82,13 @@ class ShardState:
         self.version += 1
         self.updates_from[worker] += 1
 
+    def admit(self, worker: int) -> None:
+        """A worker that joined a live run (its first pull sets its version)."""
+        self.pulled_version.setdefault(worker, self.version)
+        self.updates_from.setdefault(worker, 0)
+        if self.options.delay_compensation > 0:
+            self.backup.setdefault(worker, self.shard.detach().clone())
+
     def skip(self) -> None:
         """A pushed gradient was lost on its link: no update."""
         self.lost_pushes += 1

@@ -94,10 +94,11 @@ def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str,
                  extra_env: dict[str, str] | None) -> dict:  # fmt: skip
     """An elastic run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
     any founder but worker 0 may die, and others join with `fast join`."""
-    coordinator = Coordinator(run_dir, config, addr, config.run.workers)
+    processes = config.run.workers + server_count(config)  # (a detached strategy's servers: fast.runtime.detached)
+    coordinator = Coordinator(run_dir, config, addr, config.run.workers, first_joiner=processes)
     churn = ChurnDriver(run_dir, config, coordinator) if config.faults and config.faults.churn else None
     try:
-        return launch(fn, config.run.workers, args, addr=addr, port=engine.free_port(addr), threads=threads,
+        return launch(fn, processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
                       survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
                       on_exit=coordinator.exited)  # fmt: skip
     finally:

@@ -305,14 +305,18 @@ def _membership_events(changes: list[dict[str, Any]]) -> list[str]:
                 f"{len(healed)} healed from {_workers(change.get('healed_from'))}: "
                 f"{change.get('catch_up_bytes', 0) / 1e6:.2f} MB in {change.get('catch_up_s', 0):.2f} s"
             )
-        lines.append(escape(f"step {change.get('step')}: {len(change.get('members', []))} workers; "
+        # (an asynchronous run's workers are at different steps: the change's time instead)
+        when = f"step {change['step']}" if change.get("step") is not None else f"{change.get('time_s', 0):.1f} s"
+        lines.append(escape(f"{when}: {len(change.get('members', []))} workers; "
                             + "; ".join(w for w in what if w)))  # fmt: skip
     return lines
 
 
 def _workers(ids: Any) -> str:
     """The sources of a change's catch-ups, as "worker 0" or "workers 0, 3"."""
-    ids = sorted(set(ids)) if isinstance(ids, list) else [ids]
+    ids = sorted(set(ids), key=str) if isinstance(ids, list) else [ids]
+    if ids == ["servers"]:  # (an asynchronous run's joiners pull from the servers)
+        return "the servers"
     return f"worker{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
 
 

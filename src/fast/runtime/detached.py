@@ -1,0 +1,262 @@
+"""Asynchronous members of an elastic run: `run.elastic` with a strategy whose workers never step together and
+`joins_alone` (async-ps); a part of fast.runtime.job.Job.
+
+Such workers take no membership rounds. Each holds a line of its own to the servers (fast.comm.lines), formed
+when it starts under a store prefix of its member id; the servers stay outside the membership, are launched with
+the run, and their death ends it. A worker joins by forming its line and pulling the weights from the servers,
+the live state, so no other worker waits for it; a founder's first pull is the run's start. Batches come from the
+run's work queue, an atomic counter in the store through each epoch's order: no sample is taken twice, none is
+lost but the batch a dying worker held, and uneven workers balance themselves. A worker that leaves or dies fails
+its own line only. The members meet once, at the end, through the store: worker 0 ends the run (run.max_time, the
+data, `fast stop`), the others stop before their next batch, hand their last gradients in, take the final weights,
+and leave their figures in the store for worker 0's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fast.comm import ByteCounter, Comm, timing
+from fast.comm.lines import form_line
+from fast.runtime.live import fingerprint
+from fast.runtime.membership import FORM_S, POLL_S, PREFIX, SILENT_S, Member, RunEnded, connect, read_key
+
+QUEUE = "queue"  # the work queue: batches taken so far, over every epoch
+
+
+def _line_store(address: str, member: int, deadline_s: float) -> Any:
+    """The store `member`'s line forms on: a connection of its own (a store's client is not shared between
+    threads, and gloo may use it after the line has formed)."""
+    return dist.PrefixStore(PREFIX + f"line/{member}/", connect(address, deadline_s))
+
+
+class ServerLines:
+    """A server's lines to the workers, formed in the order the workers announce them (every server in the same
+    order, so that a line waits for no other), in a thread of its own while the server serves the others."""
+
+    def __init__(self, address: str, server: int, servers: int, device: torch.device, deadline_s: float) -> None:
+        self.address, self.store = address, connect(address, deadline_s)
+        self.server, self.servers, self.device, self.deadline_s = server, servers, device, deadline_s
+        self.counter = ByteCounter()
+        self.lines: dict[int, Comm] = {}
+        self.given_up: list[int] = []  # announced, but gone before their line formed
+        self._closed = False
+        self._follower: Callable[[int, Comm], None] | None = None
+        self._changed = threading.Condition()
+        threading.Thread(target=self._watch, name="fast-lines", daemon=True).start()
+
+    def _watch(self) -> None:
+        formed = 0
+        while True:
+            try:
+                announced = int(self.store.add(PREFIX + "lines", 0))
+                if formed < announced:
+                    said = read_key(self.store, f"announced/{formed + 1}")
+                    if said is None:  # counted, not written yet
+                        time.sleep(POLL_S)
+                        continue
+                    formed += 1
+                    self._form(int(said))
+                elif read_key(self.store, "ending") is not None or read_key(self.store, "ended") is not None:
+                    with self._changed:
+                        self._closed = True
+                        self._changed.notify_all()
+                    return
+                else:
+                    time.sleep(POLL_S * 5)
+            except (RuntimeError, ValueError):  # the store is gone with the run
+                with self._changed:
+                    self._closed = True
+                    self._changed.notify_all()
+                return
+
+    def _form(self, member: int) -> None:
+        try:
+            comm = form_line(_line_store(self.address, member, self.deadline_s), 1 + self.server, 1 + self.servers,
+                             self.device, FORM_S, self.counter)  # fmt: skip
+        except RuntimeError:  # the worker went before its line formed
+            with self._changed:
+                self.given_up.append(member)
+                self._changed.notify_all()
+            return
+        with self._changed:
+            self.lines[member] = comm
+            follower = self._follower
+            self._changed.notify_all()
+        if follower is not None:
+            follower(member, comm)
+
+    def line(self, member: int) -> Comm:
+        """`member`'s line, once formed (worker 0's comes first: the layout and the first weights come on it)."""
+        with self._changed:
+            while member not in self.lines:
+                if member in self.given_up or self._closed:
+                    raise RunEnded(f"worker {member} never formed its line to the servers")
+                self._changed.wait(POLL_S)
+            return self.lines[member]
+
+    def follow(self, add: Callable[[int, Comm], None]) -> list[int]:
+        """From now on, each new line goes to `add(member, comm)`; returns the members whose lines formed so far."""
+        with self._changed:
+            self._follower = add
+            return list(self.lines)
+
+    def closed(self) -> bool:
+        """Whether no more lines will come: the run is ending, and every line announced has formed or failed."""
+        with self._changed:
+            return self._closed
+
+
+class Detached:
+    """The asynchronous members' part of a Job (only used when `run.elastic` and the strategy `joins_alone`)."""
+
+    def _start_detached(self) -> None:
+        """A server: its lines, worker 0's first. A worker: its member (a joiner waits to be in a generation), then
+        its line to the servers."""
+        address, deadline_s = os.environ["FAST_MEMBERSHIP"], self.config.run.deadline_s
+        servers = self.world_size - self.workers
+        self.membership: list[dict[str, Any]] = []
+        self.data_epoch, self.data_cursor, self._claimed = 0, 0, None
+        if self.is_server:
+            self.server_lines = ServerLines(address, self.rank - self.workers, servers, self.device, deadline_s)
+            self.world = self.comm = self.server_lines.line(0)
+            return
+        self.member = Member(address, self.rank, deadline_s)
+        self.joining = os.environ.get("FAST_JOINING") == "1"
+        self.generation = self.member.generation(0)
+        if self.joining:
+            self.member.ready()
+            self.generation = self.member.wait_for(-1, including=self.rank)
+        store = connect(address, deadline_s)
+        if read_key(store, "ending") is not None:
+            raise RunEnded("the run ended before this worker could take part")
+        number = int(store.add(PREFIX + "lines", 1))
+        store.set(PREFIX + f"announced/{number}", str(self.rank))
+        try:
+            self.world = self.comm = form_line(_line_store(address, self.rank, deadline_s), 0, 1 + servers,
+                                               self.device, deadline_s, ByteCounter())  # fmt: skip
+        except RuntimeError as e:
+            raise RunEnded(f"the servers did not form this worker's line: {str(e).splitlines()[0]}") from None
+        self.queue = store
+        signal.signal(signal.SIGTERM, self._leave_on_sigterm)
+
+    def _catch_up(self) -> None:
+        """The weights from the servers: a founder's start (not metered, as a start's broadcast), a joiner's
+        catch-up (metered: the traffic churn costs)."""
+        started, before = timing.now(), self.world.counter.bytes_received
+        position = int(self.queue.add(PREFIX + QUEUE, 0))
+        if self.joining:
+            self.strategy.catch_up()
+            self.records.add({"worker": self.rank, "kind": "healed", "step": self.step, "from": "servers",
+                              "generation": self.generation.number, "batch": position, "time_s": 0.0,
+                              "catch_up_bytes": self.world.counter.bytes_received - before,
+                              "catch_up_s": round(timing.now() - started, 4),
+                              "fingerprint": fingerprint({"model": self.model.state_dict()})})  # fmt: skip
+            return
+        with self.world.unmetered():
+            self.strategy.catch_up()
+        if self.is_main:
+            self.member.started()
+
+    # -- the work queue ----------------------------------------------------------------------------------------
+    def _take_batch(self, per_epoch: int) -> tuple[int, int] | None:
+        """The next batch of the run's work queue as (epoch, index in it); None once this worker stops (worker 0
+        ended the run, `fast stop`, or the planned epochs are taken)."""
+        if self.member.ending_seen() or self.member.stopping():
+            self._stopping = True
+        if self.stopped:
+            return None
+        if self._claimed is None:
+            self._claimed = int(self.queue.add(PREFIX + QUEUE, 1)) - 1
+        epochs = self.planned_epochs if self.planned_epochs is not None else self.config.run.epochs
+        if self._claimed >= epochs * per_epoch:
+            self._stopping = True
+            return None
+        return divmod(self._claimed, per_epoch)
+
+    def _batch_taken(self) -> None:
+        self._claimed = None
+
+    # -- the end ---------------------------------------------------------------------------------------------------
+    def _gather_through_store(self, model: Any) -> dict[str, Any] | None:
+        """Each worker leaves its figures in the store; worker 0 takes every member's that is still in the run
+        (waiting while its heartbeat goes on) and the servers', and writes the outputs."""
+        from fast.runtime.ending import write_outputs
+
+        own = self._own_figures()
+        if self.is_server:
+            self.server_lines.store.set(PREFIX + f"server-end/{self.rank}", json.dumps(own))
+            return None
+        if not self.is_main:
+            self.queue.set(PREFIX + f"end/{self.rank}", json.dumps(own))
+            return None
+        everyone = [own, *self._figures_of_members(), *self._figures_of_servers()]
+        self.workers = len([p for p in everyone if not p["server"]])
+        self.membership = self._membership_record(everyone)
+        return write_outputs(self.run_dir, everyone, model, self._summarize(everyone))
+
+    def _close_lines(self) -> None:
+        lines = self.server_lines.lines.values() if self.is_server else [self.world]
+        for line in lines:
+            line.close()
+
+    def _figures_of_members(self) -> list[dict[str, Any]]:
+        store, found = self.queue, []
+        newest = self.member.generation(self.member.newest())
+        for member in newest.members:
+            if member == self.rank:
+                continue
+            while (figures := read_key(store, f"end/{member}")) is None:
+                beat = read_key(store, f"heartbeat/{member}")
+                left = read_key(store, f"leave/{member}") is not None
+                if left or beat is None or time.time() - float(beat) > SILENT_S:
+                    break  # gone: its figures with it
+                time.sleep(POLL_S)
+            if figures is not None:
+                found.append(json.loads(figures))
+        return found
+
+    def _figures_of_servers(self) -> list[dict[str, Any]]:
+        patience_s = 3 * self.config.run.deadline_s
+        found, deadline = [], time.monotonic() + patience_s
+        for rank in range(self.config.run.workers, self.world_size):
+            while (figures := read_key(self.queue, f"server-end/{rank}")) is None:
+                if time.monotonic() > deadline:
+                    raise RunEnded(f"server {rank} did not hand in its figures within {patience_s:g}s")
+                time.sleep(POLL_S)
+            found.append(json.loads(figures))
+        return found
+
+    def _membership_record(self, everyone: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each generation the coordinator published: who was in, who left and joined, each joiner's catch-up from
+        the servers (its bytes and seconds) and the batch of the work queue it started at."""
+        healed = {r["worker"]: r for p in everyone for r in p["records"] if r.get("kind") == "healed"}
+        start = self.member.generation(0).unix_time
+        events = []
+        for number in range(self.member.newest() + 1):
+            generation = self.member.generation(number)
+            catch_ups = [healed[m] for m in generation.joined if m in healed]
+            events.append({
+                "generation": number,
+                "step": None,
+                "batch": min((r["batch"] for r in catch_ups), default=None),
+                "unix_time": generation.unix_time,
+                "time_s": round(generation.unix_time - start, 3),
+                "members": generation.members,
+                "joined": generation.joined,
+                "left": generation.left,
+                "healed": [r["worker"] for r in catch_ups],
+                "healed_from": ["servers"] * len(catch_ups),
+                "catch_up_bytes": sum(r["catch_up_bytes"] for r in catch_ups),
+                "catch_up_s": round(sum(r["catch_up_s"] for r in catch_ups), 4),
+            })  # fmt: skip
+        return events
