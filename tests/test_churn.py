@@ -53,6 +53,26 @@ def test_churn_on_emulated_links_heals_joiners_from_a_live_peer(tmp_path, no_orp
     assert summary["catch_up_bytes"] > 0
 
 
+def test_churn_takes_async_workers_out_and_brings_new_ones_in_on_their_own_lines(tmp_path, no_orphans):
+    """async-ps under churn (real links: its lines have no emulated ones): the servers forget each worker that goes
+    and serve each that comes, every joiner catches up from them, and the run ends with what is left."""
+    run = tmp_path / "run"
+    summary = fast.train(out=str(run), **{**JOB, "strategy__name": "async-ps", "run__workers": 3, "run__epochs": 10000,
+                                          "run__max_time": "30s", "faults__churn__lifetime": "3s",
+                                          "faults__churn__absence": "1s"})  # fmt: skip
+    leaves, joins = _changes(summary)
+    assert leaves >= 1 and joins >= 1, summary["membership"]
+    healed = [r for r in _healed_records(run) if r["generation"] > 0]
+    assert healed and all(r["from"] == "servers" for r in healed)
+    digits = load_dataset("digits", seed=0)
+    parameters = sum(p.numel() for p in build_model("mlp", digits.input_shape, digits.num_classes).parameters())
+    assert all(r["catch_up_bytes"] == 4 * parameters for r in healed)  # the weights, pulled once
+    assert summary["final_test_accuracy"] > 0.8
+    config = load_config(run / "config.toml")
+    model = build_model("mlp", digits.input_shape, digits.num_classes)
+    assert price_catch_up(config, model, digits, Link(0.0, 1e9)).nbytes == 4 * parameters  # as fast predict prices it
+
+
 STRATEGIES = {"gossip": {"strategy__name": "gossip"}, "diloco": {"strategy__name": "diloco", "strategy__period": 4}}
 
 

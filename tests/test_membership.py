@@ -324,11 +324,17 @@ def two_machines():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp_path, no_orphans, two_machines):
+@pytest.mark.parametrize(
+    ("strategy", "joiner_id"),
+    [({"strategy.name": "sync"}, 2), ({"strategy.name": "async-ps"}, 3)],  # (async-ps: id 2 is the server)
+    ids=["sync", "async-ps"],
+)
+def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp_path, no_orphans, two_machines,
+                                                                              strategy, joiner_id):  # fmt: skip
     in_a, in_b, master, device, b = two_machines
     run = tmp_path / "run"
     env = {**os.environ, "FAST_PROGRESS": "0"}
-    options = {**JOB, "run.workers": 2, "run.max_time": "300s", "run.master_addr": master}  # ended by fast stop
+    options = {**JOB, **strategy, "run.workers": 2, "run.max_time": "300s", "run.master_addr": master}
     proc = subprocess.Popen([*in_a, FAST, "train", "--out", str(run), *_sets(options)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
     try:
@@ -342,7 +348,7 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
         joiner = subprocess.Popen([*in_b, FAST, "join", "--address", f"{master}:{port}", "--token-file", str(token),
                                    "--config", str(run / "config.toml"), "--out", str(tmp_path / "joiner")],
                                   stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        joiner_err = _stop_once_joined(run, joiner, tmp_path / "joiner", 2, in_run=in_a)
+        joiner_err = _stop_once_joined(run, joiner, tmp_path / "joiner", joiner_id, in_run=in_a)
         after = int(subprocess.run([*in_b, "cat", str(received)], capture_output=True, text=True).stdout)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -354,8 +360,11 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
     assert f"fast: gloo on {device} (10.77.0.2), the interface that routes to {master}" in joiner_err
     assert f"the interface that routes to {master}" in err
     events = json.loads((run / "summary.json").read_text())["membership"]
-    assert events[-1]["joined"] == [2] and events[-1]["members"] == [0, 1, 2]
-    (healed,) = _healed(tmp_path / "joiner", 2)
-    assert healed["fingerprint"] == healed["source_fingerprint"]
+    assert events[-1]["joined"] == [joiner_id] and events[-1]["members"] == [0, 1, joiner_id]
+    (healed,) = _healed(tmp_path / "joiner", joiner_id)
+    if strategy["strategy.name"] == "sync":
+        assert healed["fingerprint"] == healed["source_fingerprint"]
+    else:  # pulled from the server, across the link
+        assert healed["from"] == "servers" and healed["catch_up_bytes"] == events[-1]["catch_up_bytes"]
     # the catch-up crossed the link: the joiner's machine received at least its bytes, by the kernel's count
     assert after - before >= events[-1]["catch_up_bytes"] > 0

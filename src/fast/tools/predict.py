@@ -203,7 +203,8 @@ def predict(
 
 def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Link, step_fn: Any = None) -> CatchUp:
     """A joiner's catch-up: the bytes of the state a live peer sends it (the weights and the optimizer's state
-    after a step, as saved, and the strategy's own: `Strategy.catch_up_copies`), over the slowest link; with
+    after a step, as saved, and the strategy's own: `Strategy.catch_up_copies`; a strategy that `joins_alone`: the
+    weights its servers send), over the slowest link; with
     `[faults] churn`, a joiner every (lifetime + absence) / (workers - 1) seconds once the run is in its stride
     (each member but worker 0 stays a lifetime, then its place is empty for an absence)."""
     from fast.jobs.loop import cross_entropy_step
@@ -218,7 +219,9 @@ def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Lin
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    nbytes = buffer.tell() + int(strategy_for(config).catch_up_copies * parameters)
+    strategy = strategy_for(config)
+    # a worker that joins alone pulls the weights from the servers, nothing else (fast.runtime.detached)
+    nbytes = parameters if strategy.joins_alone else buffer.tell() + int(strategy.catch_up_copies * parameters)
     churn = config.faults.churn if config.faults is not None else None
     joins_per_s = 0.0
     if churn is not None and config.run.workers > 1:
