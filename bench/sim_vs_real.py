@@ -10,7 +10,8 @@ gloo under link emulation) and simulated (`run.engine = "simulated"`), and once 
 worker 3 three times slower (`[compute] slowdown`).
 
 The simulated run is charged, per step, what the real run spent on a step other than waiting on its peers (its step
-time times 1 minus its `time_shares["wait"]`: compute, the strategy's own work, data loading and records), spread
+time times 1 minus its `time_blocked_share`, the time blocked on peers and transfers: what is left is compute, the
+strategy's own work, data loading and records), spread
 from step to step as the real run's was (`step_compute_spread`: processes sharing the cores compute unevenly, and
 whoever waits for its peers waits for the slowest), per evaluation what the real run's evaluations took
 (`eval_time_s`; worker 0's peers may wait for it), and per server request what the real servers worked on one
@@ -84,7 +85,7 @@ def figures(summary: dict[str, Any], target: float) -> dict[str, Any]:
         "step_time_s": summary["step_time_s"],
         "time_to_target_s": summary["time_to_accuracy_s"].get(f"{target:g}"),
         "accuracy": summary["final_test_accuracy"],
-        "busy_s": summary["step_time_s"] * (1 - (summary.get("time_shares") or {}).get("wait", 0.0)),
+        "busy_s": summary["step_time_s"] * (1 - (summary.get("time_blocked_share") or 0.0)),
         "compute_s": summary.get("step_compute_s"),
         "compute_spread": summary.get("step_compute_spread"),
         "request_s": summary.get("server_request_s"),

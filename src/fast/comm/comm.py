@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fast.comm import timeline
+from fast.comm import timeline, timing
 from fast.comm.accounting import ByteCounter
 from fast.comm.busy import BusyBoard
 from fast.comm.waiting import waiting
@@ -61,6 +61,7 @@ class Handle:
         self._work, self.op, self.peer, self.deadline_s = work, op, peer, deadline_s
         self._result, self._on_done, self._done = result, on_done, work is None
         self._interrupted, self._patience = interrupted, patience
+        self.ticket: Any = None  # a collective's or a receive's (fast.comm.arrivals): its wait is split
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
@@ -69,6 +70,7 @@ class Handle:
         """The operation's result, once done; CommTimeout after `deadline_s` (default the comm's deadline)."""
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if not self._done:
+            started = timing.wall()
             with waiting():
                 try:
                     self._wait(deadline_s)
@@ -80,6 +82,7 @@ class Handle:
                 if self._on_done is not None:
                     out = self._on_done()
                     self._result = out if out is not None else self._result
+            timeline.waited(self.ticket, started, timing.wall())
         return self._result
 
     def _wait(self, deadline_s: float) -> None:
@@ -194,6 +197,9 @@ class Comm:
         self.connect_s: float | None = None
         # an all-reduce of more bytes goes as consecutive pieces of at most this many (Comm._pieces); None: whole
         self.piece_bytes = piece_bytes
+        # the group's name on every member (fast.comm.arrivals): its derived groups are named after it
+        self.key = "world"
+        self._derived_count: dict[tuple[int, ...], int] = {}
 
     # -- who ---------------------------------------------------------------------------------------------
     @property
@@ -249,7 +255,18 @@ class Comm:
         comm = Comm(group=group, deadline_s=self.deadline_s, device=device, counter=self.counter, ranks=ranks,
                     rank=self.rank, world_size=self._world_size, piece_bytes=self.piece_bytes)  # fmt: skip
         comm.interrupted, comm.connect_s, comm.busy = self.interrupted, self.connect_s, self.busy
+        comm.key = self.child_key(ranks)
         return comm
+
+    def child_key(self, ranks: list[int]) -> str:
+        """The name of a group made from this one over `ranks` (made in the same order on every member)."""
+        n = self._derived_count.get(tuple(ranks), 0)
+        self._derived_count[tuple(ranks)] = n + 1
+        return f"{self.key}/{','.join(map(str, ranks))}#{n}"
+
+    def _message(self, src: int, dst: int, tag: int) -> Any:
+        """The ticket of the next message from `src` to `dst` on `tag` (fast.comm.arrivals): the sender's issue."""
+        return timeline.ticket(f"{self.key}:{src}>{dst}/{tag}", issue=src == self.rank)
 
     def unmetered(self) -> Any:
         """Context in which traffic is measurement only and is not counted in bytes_sent."""
@@ -274,6 +291,7 @@ class Comm:
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         tensor = tensor.cpu() if self._through_host(tensor) else tensor
+        self._message(self.rank, dst, tag)
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, group=self.group, tag=tag,
                     **self._addressed("dst", dst))  # fmt: skip
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
@@ -290,7 +308,10 @@ class Comm:
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor.copy_(landing) if landing is not tensor else tensor
 
-        return Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s, tensor, done)
+        handle = Handle(work, "recv", peer, self.deadline_s, tensor, done)
+        if src is not None:  # (one from any peer is numbered once it is known: recv_from)
+            handle.ticket = self._message(src, self.rank, tag)
+        return handle
 
     @timeline.timed("send")
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
@@ -305,6 +326,7 @@ class Comm:
         work = post("recv", "any worker", self.deadline_s, dist.irecv, tensor, src=None, group=self.group, tag=tag)
         Handle(work, "recv", "any worker", self.deadline_s).wait()
         peer = self._sender(work)
+        self._message(peer, self.rank, tag)
         self.counter.add_received(peer, tensor.numel() * tensor.element_size())
         return peer
 
@@ -421,6 +443,7 @@ class Comm:
             if on_done is not None:
                 on_done()
             return Handle(None, op, "the group", self.deadline_s, result)
+        ticket = timeline.ticket(self.key, issue=True)
         try:
             work = start()
         except Exception as e:
@@ -429,8 +452,10 @@ class Comm:
         right, left = self._ring_neighbours()
         self.counter.add_sent(right, round(nbytes * send_share))
         self.counter.add_received(left, round(nbytes * (send_share if receive_share is None else receive_share)))
-        return Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted,
-                      self.patience())  # fmt: skip
+        handle = Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted,
+                        self.patience())  # fmt: skip
+        handle.ticket = ticket
+        return handle
 
     def patience(self) -> Callable[[float], bool] | None:
         """What a collective of this group past its deadline asks whether to wait on (`Handle`), if anything."""

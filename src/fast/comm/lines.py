@@ -44,11 +44,13 @@ class LineComm(Comm):
         self.group.abort()
 
 
-def form_line(store: Any, rank: int, size: int, device: torch.device, connect_s: float,
+def form_line(store: Any, name: str, rank: int, size: int, device: torch.device, connect_s: float,
               counter: ByteCounter) -> LineComm:  # fmt: skip
-    """Rank `rank` of a line of `size` over `store` (a prefix of its own); every member calls it. RuntimeError if
-    one does not come within `connect_s`."""
+    """Rank `rank` of the line `name` of `size` over `store` (a prefix of its own); every member calls it.
+    RuntimeError if one does not come within `connect_s`."""
     group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=connect_s))
     group._set_default_timeout(timedelta(seconds=IDLE_S))
-    return LineComm(group=group, deadline_s=IDLE_S, device=device, counter=counter, ranks=list(range(size)),
+    line = LineComm(group=group, deadline_s=IDLE_S, device=device, counter=counter, ranks=list(range(size)),
                     rank=rank, world_size=size)  # fmt: skip
+    line.key = name
+    return line

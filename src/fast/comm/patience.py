@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fast.comm import tags, timing
+from fast.comm import tags, timeline, timing
 from fast.comm.comm import Comm, Handle
 from fast.comm.waiting import waiting
 from fast.errors import CommError, CommTimeout
@@ -99,13 +99,15 @@ class PatientGroup:
 
         future = timing.shared("waiter", _Waiter).submit(job)
         interrupted = self.comm.interrupted
-        end = timing.now() + deadline_s
+        end, started = timing.now() + deadline_s, timing.wall()
         try:
             with waiting():
                 while True:  # (a live membership: in slices, to give up as soon as the membership changes)
                     try:
                         slice_s = deadline_s if interrupted is None else min(0.25, max(0.0, end - timing.now()))
-                        return future.result(slice_s)
+                        result = future.result(slice_s)
+                        timeline.waited(handle.ticket, started, timing.wall())  # (the waiter's thread is not ours)
+                        return result
                     except timing.FutureTimeout:
                         if interrupted is not None and timing.now() < end:
                             reason = interrupted()

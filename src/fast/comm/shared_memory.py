@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fast.comm import timing
+from fast.comm import timeline, timing
 from fast.comm.comm import Comm, Handle
 
 TMPFS = Path("/dev/shm")  # memory only, and only this machine's: the one place a sum may be shared
@@ -81,8 +81,10 @@ class SharedMemorySum:
             self.comm.counter.add_sent(rank, nbytes)
             self.comm.counter.add_received(rank, nbytes)
         group = f"the group {self.comm.ranks}"
-        return Handle(_Round(self, self.round), "all_reduce", group, self.comm.deadline_s, result=self.tensor,
-                      patience=self.comm.patience())  # fmt: skip
+        handle = Handle(_Round(self, self.round), "all_reduce", group, self.comm.deadline_s, result=self.tensor,
+                        patience=self.comm.patience())  # fmt: skip
+        handle.ticket = timeline.ticket(self.comm.key, issue=True)
+        return handle
 
     def finish(self, round_: int, deadline: float) -> None:
         """Sum this member's chunk once every member's values are in, then take the whole sum once it is done."""

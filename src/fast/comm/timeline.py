@@ -1,11 +1,14 @@
 """Where a worker's time goes: spans of compute, strategy work (encode, send, apply) and waits on communication.
 
 Each span is timed exclusively (a wait inside a strategy hook counts as waiting, not as the hook's own work),
-and the training thread's exclusive seconds add up by category: `compute` (forward, backward, the optimizer),
-`communicate` (the strategy's own work on messages: encoding, copies, applying what arrived) and `wait` (blocked
-on a peer or a collective). These shares go to the summary. With `[run] trace = true` every span of every thread
-is also kept and written as a Chrome trace (one process per worker, one track per thread) that Perfetto and
-chrome://tracing load.
+and the training thread's exclusive seconds add up by category: `compute` (forward, backward, the optimizer, an
+emulated machine's slowdown), `communicate` (the strategy's own work on messages: encoding, copies, applying what
+arrived) and `wait` (blocked on a collective or a message). The summary's shares split the blocked time once every
+process's is known (fast.comm.arrivals): until the last peer issued the collective, or the sender its message, it
+is waiting for peers (`wait`: a straggler, a barrier, an evaluation); the rest, blocked on the transfer itself, is
+communication (`communicate`); what no category holds (data, records) is `other`. With `[run] trace = true` every
+span of every thread is also kept and written as a Chrome trace (one process per worker, one track per thread)
+that Perfetto and chrome://tracing load, each wait holding its part spent "waiting for peers".
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fast.comm import timing
+from fast.comm.arrivals import Arrivals, Ticket
 
 CATEGORIES = ("compute", "communicate", "wait")
 _local = threading.local()
@@ -47,6 +51,7 @@ class Timeline:
         self.lock = threading.Lock()
         self.counting = False  # the shares count training time only (`count_from_now` .. `stop_counting`)
         self.pauses = 0
+        self.arrivals = Arrivals()  # to split the waits into waiting for peers and communication
 
     def count_from_now(self) -> None:
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -101,6 +106,22 @@ def stop() -> None:
     _timeline.set(None)
 
 
+def ticket(channel: str, issue: bool) -> Ticket | None:
+    """The next operation's ticket on `channel` (fast.comm.arrivals); `issue`: this process issues it."""
+    timeline = _timeline.get()
+    return timeline.arrivals.take(channel, issue) if timeline is not None else None
+
+
+def waited(ticket: Ticket | None, start: float, end: float) -> None:
+    """This thread waited on `ticket`'s operation from `start` to `end` (wall clock): kept if it is the training
+    thread's, in training time."""
+    timeline = _timeline.get()
+    if ticket is None or timeline is None or not timeline.counting or timeline.pauses:
+        return
+    if threading.get_ident() == timeline.training_thread:
+        timeline.arrivals.waited(ticket, start, end)
+
+
 def open_span(name: str, category: str) -> None:
     """Start a span on this thread (for work that begins and ends in different callbacks: `close_span` ends it)."""
     timeline = _timeline.get()
@@ -153,11 +174,16 @@ def timed(name: str, category: str = "communicate") -> Callable[[Callable[..., A
     return wrap
 
 
-def shares(seconds: dict[str, float], wall_s: float) -> dict[str, float]:
-    """Each category's share of `wall_s`, and the rest (data loading, the user's own code, records) as `other`."""
+def shares(seconds: dict[str, float], wall_s: float, peers_fraction: float | None) -> dict[str, float]:
+    """Each category's share of `wall_s`, and the rest (data loading, the user's own code, records) as `other`. The
+    time blocked on communication splits: `peers_fraction` of it (fast.comm.arrivals; None: no wait was matched)
+    waiting for peers (`wait`), the rest blocked on the transfers themselves, which is communication."""
     if wall_s <= 0:
         return {}
-    found = {category: round(min(1.0, seconds.get(category, 0.0) / wall_s), 4) for category in CATEGORIES}
+    blocked, peers = seconds.get("wait", 0.0), peers_fraction or 0.0
+    split = {"compute": seconds.get("compute", 0.0), "communicate": seconds.get("communicate", 0.0)
+             + (1 - peers) * blocked, "wait": peers * blocked}  # fmt: skip
+    found = {category: round(min(1.0, split[category] / wall_s), 4) for category in CATEGORIES}
     return {**found, "other": round(max(0.0, 1.0 - sum(found.values())), 4)}
 
 

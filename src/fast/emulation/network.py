@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fast.comm import tags, timing
+from fast.comm import tags, timeline, timing
 from fast.comm.comm import Comm, Handle, MessageLost, post, sender_of
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waiting
@@ -274,6 +274,7 @@ class EmulatedComm(Comm):
             world_size=self._world_size,
         )
         comm.interrupted, comm.connect_s = self.interrupted, self.connect_s
+        comm.key = self.child_key(ranks)
         return comm
 
     def _transmit(self, dst: int, nbytes: int, tag: int, droppable: bool) -> Transmission:
@@ -288,6 +289,7 @@ class EmulatedComm(Comm):
     # -- point to point ----------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         payload = _as_bytes(tensor)
+        self._message(self.rank, dst, tag)
         tx = self._transmit(dst, payload.numel(), tag, droppable)
         wire = _header(tx) if tx.lost else torch.cat([_header(tx), payload])
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, wire, dst=dst, group=self.group, tag=tag)
@@ -295,7 +297,10 @@ class EmulatedComm(Comm):
         return TimedHandle(work, "send", f"worker {dst}", self.deadline_s, lambda: tx.sent_at, wire)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
-        return self._irecv(tensor, src, tag)[0]
+        handle = self._irecv(tensor, src, tag)[0]
+        if src is not None:
+            handle.ticket = self._message(src, self.rank, tag)
+        return handle
 
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> tuple[Handle, Callable[[], int]]:
         nbytes = tensor.numel() * tensor.element_size()
@@ -330,6 +335,7 @@ class EmulatedComm(Comm):
     def recv_from(self, tensor: torch.Tensor, tag: int = 0) -> int:
         handle, peer = self._irecv(tensor, None, tag)
         handle.wait()
+        self._message(peer(), self.rank, tag)
         return peer()
 
     def send_bytes(self, payload: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
@@ -338,6 +344,8 @@ class EmulatedComm(Comm):
         tx = self._transmit(dst, 8 + n, tag, droppable)
         parts = [_header(tx, n)] + ([payload.contiguous()] if n and not tx.lost else [])
         name = f"worker {dst}"
+        for _ in parts:
+            self._message(self.rank, dst, tag)
         works = [post("send", name, self.deadline_s, dist.isend, p, dst=dst, group=self.group, tag=tag) for p in parts]
         self.counter.add_sent(dst, 8 + n)
         for work in works:
@@ -350,6 +358,7 @@ class EmulatedComm(Comm):
         work = post("recv", name, self.deadline_s, dist.irecv, header, src=src, group=self.group, tag=tag)
         Handle(work, "recv", name, self.deadline_s).wait()
         peer = src if src is not None else sender_of(work, self.group)
+        self._message(peer, self.rank, tag)
         stamp = _read_header(header)
         lost, n = stamp.lost, stamp.length
         if n < 0 or n > (1 << 34):
@@ -357,6 +366,7 @@ class EmulatedComm(Comm):
         payload = torch.empty(n, dtype=torch.uint8)
         if n and not lost:
             name = f"worker {peer}"
+            self._message(peer, self.rank, tag)
             work = post("recv", name, self.deadline_s, dist.irecv, payload, src=peer, group=self.group, tag=tag)
             Handle(work, "recv", name, self.deadline_s).wait()
         sleep_until(self._arrival(peer, 8 + n, stamp))
@@ -377,8 +387,11 @@ class EmulatedComm(Comm):
                 rounds()
 
         # the rounds' own receives time out first, with the peer's name; this is a backstop
+        ticket = timeline.ticket(self.key, issue=True)
         work = _FutureWork(self._rounds.submit(run))
-        return Handle(work, op, f"the group {self.ranks}", 2 * self.deadline_s, result, interrupted=self.interrupted)
+        handle = Handle(work, op, f"the group {self.ranks}", 2 * self.deadline_s, result, interrupted=self.interrupted)
+        handle.ticket = ticket
+        return handle
 
     def _exchange(self, out: torch.Tensor, dst: int, into: torch.Tensor, src: int) -> None:
         sent = self.isend(out, dst, COLLECTIVE_TAG)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fast.comm import timing
+from fast.comm import timeline, timing
 from fast.comm.comm import Handle, MessageLost
 from fast.comm.scheduler import current_task
 from fast.emulation.network import EmulatedComm, Stamp, Transmission, _as_bytes, reduce_into, sleep_until
@@ -104,8 +104,10 @@ class SimComm(EmulatedComm):
         super().__init__(network=wire.networks[kwargs["rank"]], world_size=wire.world_size, **kwargs)
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> SimComm:
-        return SimComm(wire=self.wire, group_id=group, deadline_s=self.deadline_s, device=device,
+        comm = SimComm(wire=self.wire, group_id=group, deadline_s=self.deadline_s, device=device,
                        counter=self.counter, ranks=ranks, rank=self.rank)  # fmt: skip
+        comm.key = self.child_key(ranks)
+        return comm
 
     def _new_group(self, ranks: list[int]) -> int:
         self._made += 1
@@ -136,6 +138,7 @@ class SimComm(EmulatedComm):
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> Handle:
         payload = _as_bytes(tensor)
+        self._message(self.rank, dst, tag)
         tx = self._transmit(dst, payload.numel(), tag, droppable)
         self._post(dst, tag, payload, tx, payload.numel())
         self.counter.add_sent(dst, payload.numel())
@@ -165,6 +168,7 @@ class SimComm(EmulatedComm):
 
     def send_bytes(self, payload: torch.Tensor, dst: int, tag: int = 0, droppable: bool = False) -> None:
         n = payload.numel()
+        self._message(self.rank, dst, tag)
         tx = self._transmit(dst, 8 + n, tag, droppable)
         self._post(dst, tag, payload.contiguous(), tx, 8 + n)
         self.counter.add_sent(dst, 8 + n)
@@ -175,6 +179,7 @@ class SimComm(EmulatedComm):
         Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s).wait()
         message = work.message
         assert message is not None
+        self._message(message.src, self.rank, tag)
         if message.payload is None:
             raise MessageLost(f"a droppable message from worker {message.src} (tag {tag}) was lost on its link")
         self.counter.add_received(message.src, message.length)
@@ -196,7 +201,9 @@ class SimComm(EmulatedComm):
             wire.busy_until[self.group_id] = meeting.done_at
             for task in meeting.waiting or []:
                 self.sim.wake(task, meeting.done_at)
-        return Handle(_Attend(self, key, meeting), op, f"the group {self.ranks}", self.deadline_s, result, on_done)
+        handle = Handle(_Attend(self, key, meeting), op, f"the group {self.ranks}", self.deadline_s, result, on_done)
+        handle.ticket = timeline.ticket(self.key, issue=True)
+        return handle
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | torch.Tensor:
         if op not in ("sum", "mean", "max", "min"):

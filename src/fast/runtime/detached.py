@@ -52,7 +52,7 @@ class ServerLines:
         self._closed = False
         self._follower: Callable[[int, Comm], None] | None = None
         self._changed = threading.Condition()
-        threading.Thread(target=self._watch, name="fast-lines", daemon=True).start()
+        timing.Thread(self._watch, "fast-lines").start()  # (its readers' threads see this process's timeline)
 
     def _watch(self) -> None:
         formed = 0
@@ -81,8 +81,8 @@ class ServerLines:
 
     def _form(self, member: int) -> None:
         try:
-            comm = form_line(_line_store(self.address, member, self.deadline_s), 1 + self.server, 1 + self.servers,
-                             self.device, FORM_S, self.counter)  # fmt: skip
+            comm = form_line(_line_store(self.address, member, self.deadline_s), f"line{member}", 1 + self.server,
+                             1 + self.servers, self.device, FORM_S, self.counter)  # fmt: skip
         except RuntimeError:  # the worker went before its line formed
             with self._changed:
                 self.given_up.append(member)
@@ -142,8 +142,8 @@ class Detached:
         number = int(store.add(PREFIX + "lines", 1))
         store.set(PREFIX + f"announced/{number}", str(self.rank))
         try:
-            self.world = self.comm = form_line(_line_store(address, self.rank, deadline_s), 0, 1 + servers,
-                                               self.device, deadline_s, ByteCounter())  # fmt: skip
+            self.world = self.comm = form_line(_line_store(address, self.rank, deadline_s), f"line{self.rank}", 0,
+                                               1 + servers, self.device, deadline_s, ByteCounter())  # fmt: skip
         except RuntimeError as e:
             raise RunEnded(f"the servers did not form this worker's line: {str(e).splitlines()[0]}") from None
         self.queue = store

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fast.comm import tags, timing
+from fast.comm.arrivals import peers_fractions
 from fast.comm.timeline import chrome_trace, shares
 from fast.emulation.deployment import describe as describe_deployment
 from fast.emulation.deployment import emulated, record_of
@@ -249,6 +250,8 @@ class Ending:
             own["deployment"] = record_of(self.machine, self.world)
         if self.is_worker:
             own["timeline"] = dict(self.timeline.seconds)
+        own["arrivals"] = self.timeline.arrivals.table()  # (a server's too: when it answered)
+        own["thread"] = self.timeline.training_thread
         if self.config.run.trace:  # this process's part of trace.json, which worker 0 puts together
             part = self.run_dir / "workers" / f"trace-{self.rank}.json"
             part.write_text(json.dumps(self.timeline.chrome_events(self.role)))
@@ -373,6 +376,12 @@ class Ending:
         except ConfigError:
             return None
 
+    def _trace_waits_for_peers(self, everyone: list[dict[str, Any]], spans: list[list[tuple[float, float]]]) -> None:
+        events = [{"name": "waiting for peers", "cat": "wait", "ph": "X", "pid": p["rank"], "tid": p["thread"],
+                   "ts": start * 1e6, "dur": (end - start) * 1e6}
+                  for p, mine in zip(everyone, spans, strict=True) for start, end in mine]  # fmt: skip
+        (self.run_dir / "workers" / "trace-waits-for-peers.json").write_text(json.dumps(events))
+
     def _summarize(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         config, run = self.config, self.config.run
         trainers = [p for p in everyone if not p["server"]]
@@ -390,6 +399,17 @@ class Ending:
         sent = sum(p["counter"]["bytes_sent"] for p in everyone)
         uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
         staleness = [s for p in everyone for s in p["staleness"]]
+        fractions, waits_for_peers = peers_fractions([p.pop("arrivals", None) for p in everyone])
+        if run.trace:  # inside each wait, its part waiting for peers: a part of trace.json of its own
+            self._trace_waits_for_peers(everyone, waits_for_peers)
+        worker_shares = [
+            shares(p["timeline"], p["time_s"], fraction)
+            for p, fraction in zip(everyone, fractions, strict=True)
+            if not p["server"] and "timeline" in p
+        ]
+        blocked = [
+            p["timeline"].get("wait", 0.0) / p["time_s"] for p in trainers if "timeline" in p and p["time_s"] > 0
+        ]
         targets = run.parsed_targets
         time_to: dict[str, float | None] = {}
         for target in targets:
@@ -447,7 +467,10 @@ class Ending:
             "step_compute_spread": sum(spreads) / len(spreads) if spreads else None,
             "server_request_s": sum(requests) / len(requests) if requests else None,
             "eval_time_s": self._eval_time_s(),
-            "time_shares": mean_shares([shares(p["timeline"], p["time_s"]) for p in trainers if "timeline" in p]),
+            "time_shares": mean_shares(worker_shares),
+            "worker_time_shares": worker_shares or None,
+            # blocked on communication, peers and transfers together (what the cost models' compute leaves out)
+            "time_blocked_share": round(sum(blocked) / len(blocked), 4) if blocked else None,
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }
         if self.elastic:

@@ -132,6 +132,7 @@ class Live:
             world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
                                      comm_maker(network, self.config.run.allreduce_piece_kb))  # fmt: skip
             world.interrupted, world.connect_s = self._superseded, FORM_S
+            world.key = f"generation{generation.number}"  # (fast.comm.arrivals: the same on every member)
             control = world.subgroups([world.ranks], gloo=True)
         except RuntimeError as e:  # a member went between arriving and forming (the store's wait gave up)
             raise CommError(f"forming generation {generation.number}: {str(e).splitlines()[0]}") from None

@@ -142,7 +142,8 @@ class StepDriver:
     def begin(self, computes: bool = True) -> None:
         if self.on_begin is not None:
             self.on_begin()
-        self.machine.before_step(self.step)  # emulated crash, straggler pause, slowdown
+        with timeline.span("emulated slowdown", "compute"):  # an emulated machine's slower compute is compute
+            self.machine.before_step(self.step)  # emulated crash, straggler pause, slowdown
         with timeline.span("strategy.before_step", "communicate"):
             self.strategy.before_step(self.step)
         if computes:  # a simulated machine's compute, while what the strategy posted travels

@@ -237,7 +237,12 @@ def _summary_section(rows: list[dict[str, Any]], all_variants: list[Variant]) ->
         "“not reached” means the run never got there. "
         "MB = 10<sup>6</sup> bytes actually sent over the wire by all workers, headers included. "
         "Replica divergence is the mean over workers of ‖w<sub>i</sub> − w̄‖ / ‖w̄‖ at the end. "
-        "The predicted step time comes from the link and compute model. “—” means not recorded. "
+        "The predicted step time comes from the link and compute model. "
+        "The shares split each worker's training time, the same way for every strategy: compute (forward, backward, "
+        "the optimizer); communicate (the strategy's own work on messages, and time blocked on a transfer once every "
+        "peer it needs is there); wait (blocked until the last peer has issued the collective, or the sender its "
+        "message: a straggler, a barrier, an evaluation); the rest (data, records) is not shown. "
+        "“—” means not recorded. "
         f"Both tables, unformatted, are in <code>{SUMMARY_CSV}</code> beside this file.</p></section>"
     )
 

@@ -19,7 +19,8 @@ from fast.tools.report.series import MEGABYTE, NOT_REACHED, as_target, ordered, 
 MISSING = "—"
 OUTCOME = "Accuracy and speed"
 COST = "Communication and consistency"
-SHARES = ("compute", "communicate", "wait")  # of each worker's training time (fast.comm.timeline)
+# of each worker's training time (fast.comm.timeline): wait is waiting for peers, communicate includes transfers
+SHARES = ("compute", "communicate", "wait")
 _TARGET_KEY = re.compile(r"^time_to_(?:(?P<metric>[A-Za-z_]\w*)(?P<op><=|>=))?(?P<value>[0-9.e+-]+)_s$")
 _METRIC_KEY = re.compile(r"^(?P<kind>final|best)_test_(?P<metric>\w+)$")
 
