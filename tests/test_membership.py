@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -96,6 +97,31 @@ def _healed(run: Path, member: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == "healed"]
 
 
+def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int, joiner: int,
+                        while_joining: Any = None) -> dict:  # fmt: skip
+    """A run of 4 workers: worker 2 killed (SIGKILL) at step `killed_at` of worker 0, a new worker started with
+    `fast join` at `joined_at`, the run ended with `fast stop` once the joiner (member `joiner`) has trained; its
+    summary."""
+    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", **options})  # ended by fast stop
+    try:
+        _wait_for_step(run, killed_at, proc)
+        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
+        _wait_for_step(run, joined_at, proc)
+        env = {**os.environ, "FAST_PROGRESS": "0"}
+        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
+        if while_joining is not None:  # (the joiner takes a few seconds to start)
+            while_joining()
+        joiner_err = _stop_once_joined(run, joining, run, joiner)
+        assert joining.returncode == 0, joiner_err
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    return json.loads((run / "summary.json").read_text())
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -112,24 +138,8 @@ def _healed(run: Path, member: int) -> list[dict]:
 )
 def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_path, no_orphans, strategy):
     run = tmp_path / "run"
-    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", **strategy})  # ended by fast stop
-    try:
-        _wait_for_step(run, 100, proc)
-        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
-        _wait_for_step(run, 200, proc)
-        env = {**os.environ, "FAST_PROGRESS": "0"}
-        joiner = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
-        if strategy["strategy.name"] == "sync":  # while the joiner starts (a few seconds each)
-            _refusals(run, tmp_path)
-        joiner_err = _stop_once_joined(run, joiner, run, 4)
-        assert joiner.returncode == 0, joiner_err
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    summary = json.loads((run / "summary.json").read_text())
+    refusals = (lambda: _refusals(run, tmp_path)) if strategy["strategy.name"] == "sync" else None
+    summary = _kill_one_then_join(run, strategy, 100, 200, 4, refusals)
     assert summary["workers_at_end"] == 4
     events = summary["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 4]]
@@ -151,22 +161,7 @@ def test_async_workers_join_and_leave_alone_on_their_lines_to_the_servers(tmp_pa
     """async-ps: no member waits for another; a killed worker fails its own line, a joiner catches up from the
     servers, and the work queue hands out every batch once (but the one the killed worker held)."""
     run = tmp_path / "run"
-    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", "strategy.name": "async-ps"})  # ended by fast stop
-    try:
-        _wait_for_step(run, 60, proc)
-        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
-        _wait_for_step(run, 120, proc)
-        env = {**os.environ, "FAST_PROGRESS": "0"}
-        joiner = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
-        joiner_err = _stop_once_joined(run, joiner, run, 5)  # (ids 0-3 the founders, 4 the server)
-        assert joiner.returncode == 0, joiner_err
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    summary = json.loads((run / "summary.json").read_text())
+    summary = _kill_one_then_join(run, {"strategy.name": "async-ps"}, 60, 120, 5)  # (ids 0-3 founders, 4 the server)
     assert summary["workers_at_end"] == 4 and summary["servers"] == 1
     events = summary["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 5]], events
