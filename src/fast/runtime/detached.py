@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fast.comm import ByteCounter, Comm, timing
 from fast.comm.lines import form_line
+from fast.runtime.ending import write_outputs
 from fast.runtime.live import fingerprint
 from fast.runtime.membership import FORM_S, POLL_S, PREFIX, SILENT_S, Member, RunEnded, connect, read_key
 
@@ -146,14 +147,14 @@ class Detached:
                                                1 + servers, self.device, deadline_s, ByteCounter())  # fmt: skip
         except RuntimeError as e:
             raise RunEnded(f"the servers did not form this worker's line: {str(e).splitlines()[0]}") from None
-        self.queue = store
+        self.run_store = store  # the work queue, the members' figures at the end
         signal.signal(signal.SIGTERM, self._leave_on_sigterm)
 
     def _catch_up(self) -> None:
         """The weights from the servers: a founder's start (not metered, as a start's broadcast), a joiner's
         catch-up (metered: the traffic churn costs)."""
         started, before = timing.now(), self.world.counter.bytes_received
-        position = int(self.queue.add(PREFIX + QUEUE, 0))
+        position = int(self.run_store.add(PREFIX + QUEUE, 0))
         if self.joining:
             self.strategy.catch_up()
             self.records.add({"worker": self.rank, "kind": "healed", "step": self.step, "from": "servers",
@@ -176,7 +177,7 @@ class Detached:
         if self.stopped:
             return None
         if self._claimed is None:
-            self._claimed = int(self.queue.add(PREFIX + QUEUE, 1)) - 1
+            self._claimed = int(self.run_store.add(PREFIX + QUEUE, 1)) - 1
         epochs = self.planned_epochs if self.planned_epochs is not None else self.config.run.epochs
         if self._claimed >= epochs * per_epoch:
             self._stopping = True
@@ -190,14 +191,12 @@ class Detached:
     def _gather_through_store(self, model: Any) -> dict[str, Any] | None:
         """Each worker leaves its figures in the store; worker 0 takes every member's that is still in the run
         (waiting while its heartbeat goes on) and the servers', and writes the outputs."""
-        from fast.runtime.ending import write_outputs
-
         own = self._own_figures()
         if self.is_server:
             self.server_lines.store.set(PREFIX + f"server-end/{self.rank}", json.dumps(own))
             return None
         if not self.is_main:
-            self.queue.set(PREFIX + f"end/{self.rank}", json.dumps(own))
+            self.run_store.set(PREFIX + f"end/{self.rank}", json.dumps(own))
             return None
         everyone = [own, *self._figures_of_members(), *self._figures_of_servers()]
         self.workers = len([p for p in everyone if not p["server"]])
@@ -210,7 +209,7 @@ class Detached:
             line.close()
 
     def _figures_of_members(self) -> list[dict[str, Any]]:
-        store, found = self.queue, []
+        store, found = self.run_store, []
         newest = self.member.generation(self.member.newest())
         for member in newest.members:
             if member == self.rank:
@@ -229,7 +228,7 @@ class Detached:
         patience_s = 3 * self.config.run.deadline_s
         found, deadline = [], time.monotonic() + patience_s
         for rank in range(self.config.run.workers, self.world_size):
-            while (figures := read_key(self.queue, f"server-end/{rank}")) is None:
+            while (figures := read_key(self.run_store, f"server-end/{rank}")) is None:
                 if time.monotonic() > deadline:
                     raise RunEnded(f"server {rank} did not hand in its figures within {patience_s:g}s")
                 time.sleep(POLL_S)
