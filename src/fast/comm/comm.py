@@ -70,7 +70,7 @@ class Handle:
         """The operation's result, once done; CommTimeout after `deadline_s` (default the comm's deadline)."""
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if not self._done:
-            started = timing.wall()
+            started = timing.wall() if self.ticket is not None else 0.0  # (a wait without one is not split)
             with waiting():
                 try:
                     self._wait(deadline_s)
@@ -82,7 +82,8 @@ class Handle:
                 if self._on_done is not None:
                     out = self._on_done()
                     self._result = out if out is not None else self._result
-            timeline.waited(self.ticket, started, timing.wall())
+            if self.ticket is not None:
+                timeline.waited(self.ticket, started, timing.wall())
         return self._result
 
     def _wait(self, deadline_s: float) -> None:

@@ -275,7 +275,6 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             save_checkpoint=self._save_server_checkpoint if self.is_server else None,
             serving=self.machine.serving,
             lines=self.server_lines if self.detached and self.is_server else None,
-            server=self.is_server,
         )
         self.strategy: Strategy = build_strategy(config, self.context)
         self.busy = self._busy_board()

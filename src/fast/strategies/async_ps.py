@@ -201,7 +201,7 @@ class AsyncPS(ServerStrategy):
         return state | ({"codec": self.codec.state_dict()} if self.codec is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.ctx.server:
+        if self.on_server:
             return self.load_server_state(state)
         self.accumulated.copy_(state["accumulated"])
         self.steps_since_push = int(state["steps_since_push"])
@@ -210,7 +210,7 @@ class AsyncPS(ServerStrategy):
             self.codec.load_state_dict(state["codec"])
 
     def summary(self) -> dict[str, Any]:  # a server's updates applied; a worker's totals over the servers
-        return self.live.figures_for_summary() if self.ctx.server else dict(self.totals)
+        return self.live.figures_for_summary() if self.on_server else dict(self.totals)
 
     def open(self, layout: ModelLayout) -> ShardState:
         self._layout(layout.parameters)

@@ -79,4 +79,3 @@ class StrategyContext:
     # a server of an elastic run's detached workers: its lines to them, formed as they come
     # (fast.runtime.detached.ServerLines); None where the workers share one group with the servers
     lines: Any = None
-    server: bool = False  # this process is one of the strategy's servers

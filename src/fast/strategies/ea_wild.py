@@ -185,7 +185,7 @@ class EAWild(ServerStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A worker's checkpoint, or the master's snapshot (its own file, written through `ctx.save_checkpoint`)."""
-        if self.ctx.rank >= self.ctx.workers:
+        if self.on_server:
             self.load_server_state(state)
             return
         self.center.copy_(state["center"])
@@ -246,4 +246,4 @@ class EAWild(ServerStrategy):
         return max(self.live.updates[self.leaders.index(leader)] - 1, 0) * self.options.tau
 
     def summary(self) -> dict[str, Any]:
-        return {"center_updates": self.live.total()} if self.ctx.rank >= self.ctx.workers else {}
+        return {"center_updates": self.live.total()} if self.on_server else {}

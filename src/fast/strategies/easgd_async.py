@@ -102,13 +102,13 @@ class AsyncEASGD(ReportsCenter, ServerStrategy):
         return {"center": self.center.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.ctx.rank >= self.ctx.workers:
+        if self.on_server:
             self.load_server_state(state)
         else:
             self.center.copy_(state["center"])
 
     def summary(self) -> dict[str, Any]:
-        if self.ctx.rank >= self.ctx.workers:
+        if self.on_server:
             return {"center_updates": self.live.total()}
         reported = "center" if self.options.final_model == "average" else self.options.final_model
         return {"final_model": reported, "moving_rate": self.alpha, "elastic_exchanges": self.exchanges}

@@ -179,6 +179,11 @@ class ServerStrategy(Strategy):
         return 1
 
     # -- the server's side --------------------------------------------------------------------------------------
+    @property
+    def on_server(self) -> bool:
+        """Whether this process is one of the servers (it has set its live state up)."""
+        return "live" in self.__dict__
+
     def setup_server(self, layout: ModelLayout) -> None:
         self.live = self.open(layout)
         self.staleness = self.live.staleness
