@@ -34,6 +34,8 @@ import torch
 from fast.codecs import Codec, ErrorFeedback, build_codec
 from fast.codecs.parts import decode_parts, encode_parts, frame_shapes, packed_shapes
 from fast.codecs.powersgd import PowerSGD, matrix_shape
+from fast.comm import timeline, timing
+from fast.comm.arrivals import Ticket
 from fast.comm.comm import Comm
 from fast.comm.waiting import waiting
 
@@ -128,8 +130,10 @@ class CompressedAllReduce:
             contributors = job()
             return PendingSum(lambda: contributors)
         context = self.comm.counter.context()  # the thread counts traffic as this caller would
+        # every member starts its exchanges in the same order: the last one's start is when the peers were all there
+        ticket = timeline.ticket(f"{self.comm.key}:background", issue=True)
         future = self._executor.submit(self._entered, context, job)
-        return PendingSum(lambda: _waited_for(future.result))
+        return PendingSum(lambda: _waited_for(future.result, ticket))
 
     def sum(self, tensor: torch.Tensor, key: str, *, shapes: Sequence[Sequence[int]] | None = None) -> int:
         """`start(...).wait()`: `tensor` becomes the sum; returns the number of contributors."""
@@ -270,11 +274,14 @@ class CompressedAllReduce:
             return job()
 
 
-def _waited_for(result: Callable[[], int]) -> int:
+def _waited_for(result: Callable[[], int], ticket: Ticket | None) -> int:
     """A background exchange's result; the time it takes to come is the caller's wait on communication (its time
-    shares), not work of its own."""
+    shares), not work of its own: until the last member started the exchange, waiting for peers (`ticket`)."""
+    started = timing.wall()
     with waiting():
-        return result()
+        contributors = result()
+    timeline.waited(ticket, started, timing.wall())
+    return contributors
 
 
 def _counted(total: torch.Tensor | int, count: torch.Tensor | None) -> int:
