@@ -24,8 +24,8 @@ OWNER = ("data.*", "package.*", "network.*", "compute.*", "faults.*", "eval.batc
          "run.deadline_s", "run.log_every", "run.eval_every", "run.targets", "run.tensorboard", "run.trace",
          "run.checkpoint_every", "run.max_restarts")  # fmt: skip
 PACKAGED = ("model.*", "step.*", "eval.factory")
-AUTHOR = ("optimizer.*", "schedule.*", "run.epochs", "run.max_steps", "run.batch_size", "run.accumulate",
-          "run.precision")  # fmt: skip
+AUTHOR = ("optimizer.*", "schedule.*", "run.epochs", "run.max_steps", "run.max_samples", "run.batch_size",
+          "run.accumulate", "run.precision")  # fmt: skip
 TABLES = ("run", "data", "model", "step", "eval", "optimizer", "schedule", "strategy", "codec", "network", "compute",
           "faults", "package")  # fmt: skip
 

@@ -56,6 +56,12 @@ class RunConfig(Section):
     )
     log_every: int = Field(20, ge=1, description="steps between metric records")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps per worker")
+    max_samples: int | None = Field(
+        None,
+        ge=1,
+        description="stop once the workers together have trained on this many samples (a language model's: "
+        "sequences), at the first step (a round, for the periodic family in an elastic run) that reaches it",
+    )
     max_time: str | float | None = Field(
         None, description='stop training after this much training time, e.g. "5min" (evaluation off the clock)'
     )

@@ -15,6 +15,7 @@ and leave their figures in the store for worker 0's summary.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -179,7 +180,10 @@ class Detached:
         if self._claimed is None:
             self._claimed = int(self.run_store.add(PREFIX + QUEUE, 1)) - 1
         epochs = self.planned_epochs if self.planned_epochs is not None else self.config.run.epochs
-        if self._claimed >= epochs * per_epoch:
+        batches = epochs * per_epoch
+        if self.config.run.max_samples is not None:
+            batches = min(batches, math.ceil(self.config.run.max_samples / self.batch_size))
+        if self._claimed >= batches:
             self._stopping = True
             return None
         return divmod(self._claimed, per_epoch)

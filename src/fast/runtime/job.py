@@ -361,6 +361,11 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     should_stop = stopped
 
     @property
+    def samples_per_step(self) -> int:
+        """The samples one step of every worker trains on together (the members', in an elastic run)."""
+        return self.workers * self.batch_size
+
+    @property
     def lockstep(self) -> bool:
         """Whether the workers move in step (every worker's collectives need every other worker)."""
         return not self.strategy.stops_alone
@@ -476,10 +481,12 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             return
         total = math.ceil(epochs * self.steps_per_epoch)
         self.total_steps = min(total, self.config.run.max_steps or total)
+        if self.config.run.max_samples is not None and not self.elastic:  # (elastic: the members count, live)
+            self.total_steps = min(self.total_steps, math.ceil(self.config.run.max_samples / self.samples_per_step))
         if self.detached:  # each worker takes what it can of the work queue, which ends the run
             self.total_steps = self.config.run.max_steps
         self.records.show_progress(self.config.run.name, self.total_steps, self.steps_per_epoch,
-                                   self.batch_size * self.workers)  # fmt: skip
+                                   self.samples_per_step)  # fmt: skip
 
     def _all_have(self, has_batch: bool) -> bool:
         """Whether every worker has a next batch of its stream (workers in step only; the others go on alone)."""
@@ -517,7 +524,8 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         done = self.step
         self.trained_s = self.clock.now()
         if self.elastic and not self.detached:  # the step is taken: the data cursor moves past every member's batch
-            self.data_cursor += self.workers * self.batch_size
+            self.data_cursor += self.samples_per_step
+            self.samples_trained += self.samples_per_step
         elif self.lockstep and self._check_due(done):
             self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
         elif self.strategy.stops_alone and self.config.run.max_time_s is not None:

@@ -72,6 +72,7 @@ class Live:
         self._boundary_at = -1  # the step whose membership round is done
         self._closed = False  # (worker 0) closed to joiners
         self.data_epoch, self.data_cursor = 0, 0
+        self.samples_trained = 0  # by every member together, since the start (run.max_samples)
         if self.joining:
             self.member.ready()
         self._connect_newest(dropped_if_absent=False)
@@ -115,8 +116,8 @@ class Live:
         can take it): no more joiners nor churn, so that a last generation forms and the run ends at its boundary."""
         if not self.is_main or self._closed:
             return
-        limit, clock = self.config.run.max_time_s, getattr(self, "clock", None)
-        if (limit is not None and clock is not None and clock.now() >= limit) or self.member.stopping():
+        clock = getattr(self, "clock", None)
+        if (clock is not None and self._budget_spent(clock.now())) or self.member.stopping():
             self.member.close_to_joiners()
             self._closed = True
 
@@ -163,10 +164,9 @@ class Live:
         if self._boundary_at == self.step or not self.strategy.change_point(self.step):
             return
         while True:
-            limit = self.config.run.max_time_s
             first = self.world.index() == 0
             newer = int(first and self.member.newest() > self.generation.number)
-            ending = int((limit is not None and self.trained_s >= limit) or (first and self.member.stopping()))
+            ending = int(self._budget_spent(self.trained_s) or (first and self.member.stopping()))
             try:
                 answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending], set())
             except CommError:
@@ -178,6 +178,13 @@ class Live:
                 self._boundary_at = self.step
                 return
             self._regroup(failed=False)
+
+    def _budget_spent(self, trained_s: float) -> bool:
+        """Whether run.max_time or run.max_samples is reached (the same on every member at a boundary)."""
+        run = self.config.run
+        return (run.max_time_s is not None and trained_s >= run.max_time_s) or (
+            run.max_samples is not None and self.samples_trained >= run.max_samples
+        )
 
     def _set_up_live(self, set_up: Any) -> None:
         """Set the strategy up over the first group (`set_up`); if a member went meanwhile (a group of the setup
@@ -221,6 +228,7 @@ class Live:
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "data": [self.data_epoch, self.data_cursor],
+            "samples": self.samples_trained,
             "schedule": schedule,
             "strategy": self.strategy.state_dict(),
         }
@@ -230,6 +238,7 @@ class Live:
         self.optimizer.load_state_dict(state["optimizer"])
         self.driver.step = state["step"]
         self.data_epoch, self.data_cursor = state["data"]
+        self.samples_trained = state["samples"]
         if self.schedule is not None and state["schedule"] is not None:
             self.schedule.load_state_dict(state["schedule"])
         self._schedule_state = state["schedule"]
