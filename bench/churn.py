@@ -2,14 +2,17 @@
 back (`[faults] churn`).
 
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
-                                    [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
+                                    [--equal tokens|time] [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
 
-Every run is elastic (`run.elastic`) and trains for the same training time (`run.max_time`) on emulated links
-(`[network]`, 10 Mbit/s and 50 ms by default; `--real-links`: this machine's own). With churn, each worker but
-worker 0 stays an exponential time of mean a third of the run, and a new one comes back after a mean of a tenth
-of it, healed from a live peer. Per strategy and seed: the final validation perplexity, steps, bytes, and the
-catch-ups' bytes and seconds; then, per strategy, the ratio of its mean perplexity with churn to its mean
-without. Target: the periodic family (local-sgd, diloco) within 5%.
+Every run is elastic (`run.elastic`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by default; `--real-links`:
+this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With churn, each worker but
+worker 0 stays an exponential time of mean a third of that, and a new one comes back after a mean of a tenth of
+it, healed from a live peer. `--equal tokens` (the default): the run with churn trains on as many samples as the
+one without did (`run.max_samples`), however long that takes, so that the perplexities compare the same amount of
+training; `--equal time`: it trains for the same time, on fewer samples. Per strategy and seed: the final
+validation perplexity, samples, training time, bytes, and the catch-ups' bytes and seconds; then, per strategy,
+the ratio of its mean perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco)
+within 5%.
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ TARGET = 0.05
 
 
 def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: bool,
-            network: dict[str, str]) -> dict:  # fmt: skip
+            network: dict[str, str], samples: int | None = None) -> dict:  # fmt: skip
+    """One run of `seconds` of training, or (`samples`) of that many samples, with a backstop of 5x the time."""
+    limit = seconds if samples is None else 5 * seconds
     options = {**JOB, **STRATEGIES[strategy], **network, "run__seed": seed, "run__workers": workers,
-               "run__max_time": f"{seconds}s"}  # fmt: skip
+               "run__max_time": f"{limit}s"}  # fmt: skip
+    if samples is not None:
+        options["run__max_samples"] = samples
     if churn:
         options.update(faults__churn__lifetime=f"{seconds / 3:g}s", faults__churn__absence=f"{seconds / 10:g}s")
     started = time.monotonic()
@@ -56,6 +63,8 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "churn": churn,
         "perplexity": summary.get("final_test_perplexity"),
         "steps": summary["steps_per_worker"],
+        "samples": summary["samples"],
+        "train_s": summary["wall_time_s"],
         "wall_s": round(time.monotonic() - started, 1),
         "bytes_sent": summary["bytes_sent"],
         "catch_up_bytes": summary.get("catch_up_bytes", 0),
@@ -69,7 +78,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--time", type=float, default=120.0, help="training seconds per run")
+    parser.add_argument("--time", type=float, default=120.0, help="training seconds of the run without churn")
+    parser.add_argument(
+        "--equal",
+        choices=["tokens", "time"],
+        default="tokens",
+        help="the run with churn trains on as many samples (tokens), or for as long (time)",
+    )
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--out", type=Path, default=Path("runs/bench-churn"))
     parser.add_argument("--bandwidth", default="10Mbit", help="every emulated link, each direction")
@@ -80,14 +95,18 @@ def main() -> int:
     rows = []
     for seed in range(args.seeds):
         for strategy in args.strategies:
+            samples = None
             for churn in (False, True):  # alternated, so that a drift of the host hits both alike
                 name = f"{strategy}-{'churn' if churn else 'steady'}-seed{seed}"
-                row = one_run(args.out / name, strategy, seed, args.workers, args.time, churn, network)
+                row = one_run(args.out / name, strategy, seed, args.workers, args.time, churn, network, samples)
+                if args.equal == "tokens":
+                    samples = row["samples"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     (args.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"\n{'strategy':<10} {'steady ppl':>11} {'churn ppl':>10} {'ratio':>7} {'changes':>8} {'catch-up MB':>12} "
-          f"{'catch-up s':>11}")  # fmt: skip
+    print(f"\nat equal {args.equal}")
+    print(f"{'strategy':<10} {'steady ppl':>11} {'churn ppl':>10} {'ratio':>7} {'samples':>15} {'train s':>13} "
+          f"{'changes':>8} {'catch-up MB':>12} {'catch-up s':>11}")  # fmt: skip
     met = True
     for strategy in args.strategies:
         steady = [r["perplexity"] for r in rows if r["strategy"] == strategy and not r["churn"]]
@@ -96,7 +115,11 @@ def main() -> int:
         if strategy in PERIODIC:
             met = met and ratio <= 1 + TARGET
         with_churn = statistics.mean(r["perplexity"] for r in churned)
-        print(f"{strategy:<10} {statistics.mean(steady):>11.3f} {with_churn:>10.3f} {ratio:>7.3f}"
+        both = [r for r in rows if r["strategy"] == strategy]
+        samples = "/".join(f"{statistics.mean(r['samples'] for r in both if r['churn'] == c):.0f}" for c in (0, 1))
+        seconds = "/".join(f"{statistics.mean(r['train_s'] for r in both if r['churn'] == c):.0f}" for c in (0, 1))
+        print(f"{strategy:<10} {statistics.mean(steady):>11.3f} {with_churn:>10.3f} {ratio:>7.3f} {samples:>15}"
+              f" {seconds:>13}"
               f" {statistics.mean(r['changes'] for r in churned):>8.1f}"
               f" {statistics.mean(r['catch_up_bytes'] for r in churned) / 1e6:>12.2f}"
               f" {statistics.mean(r['catch_up_s'] for r in churned):>11.2f}")  # fmt: skip

@@ -87,6 +87,14 @@ def test_churn_in_the_simulated_engine_is_deterministic_by_seed(tmp_path, strate
     first, second = (torch.load(run / "model.pt", weights_only=True) for run in runs)
     assert all(torch.equal(first[name], second[name]) for name in first)
     assert summaries[0]["final_test_accuracy"] == summaries[1]["final_test_accuracy"]
+    # the samples of every member count, those of the members gone by the end too, as each reported them at the
+    # boundary after: at most each generation's members from the step it took over, less, for each member that
+    # left, what it trained since its last boundary (its unfinished round, and the step it died in)
+    events, batch = summaries[0]["membership"], SIMULATED["run__batch_size"]
+    steps = [e["step"] for e in events] + [summaries[0]["steps_per_worker"]]
+    most = batch * sum(len(e["members"]) * (steps[i + 1] - steps[i]) for i, e in enumerate(events))
+    short = leaves * (strategy.get("strategy__period", 1) + 1) * batch
+    assert most - short <= summaries[0]["samples"] <= most
 
     report = build_report(runs[:1], tmp_path / "report" / "report.html").read_text()
     assert "Workers in the run vs wall time (live membership)" in report

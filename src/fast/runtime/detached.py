@@ -133,6 +133,7 @@ class Detached:
             self.world = self.comm = self.server_lines.line(0)
             return
         self.member = Member(address, self.rank, deadline_s)
+        self.member.report(self._reported_figures)
         self.joining = os.environ.get("FAST_JOINING") == "1"
         self.generation = self.member.generation(0)
         if self.joining:

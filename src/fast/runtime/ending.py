@@ -239,6 +239,7 @@ class Ending:
             "empty_steps": self.step - self._ran_out_at if self._ran_out_at is not None else 0,
             "bytes_sent_in_empty_steps": self._bytes_in_empty_steps(),
             "samples": self.driver.samples,
+            "samples_reported": self._samples_reported if self.elastic and not self.detached else None,
             "skipped_steps": self.skipped_steps,
             "steps_skipped_by_the_loop": self.driver.loop_skipped,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
@@ -382,9 +383,25 @@ class Ending:
                   for p, mine in zip(everyone, spans, strict=True) for start, end in mine]  # fmt: skip
         (self.run_dir / "workers" / "trace-waits-for-peers.json").write_text(json.dumps(events))
 
+    def _reported_figures(self) -> dict[str, Any]:
+        """What an elastic run's summary counts of this member if it is gone by the end (`Member.report`: read on
+        the heartbeat's thread, from the start, before the first group is formed)."""
+        world, driver = getattr(self, "world", None), getattr(self, "driver", None)
+        return {"rank": self.rank, "counter": world.counter.snapshot() if world is not None else None,
+                "samples": driver.samples if driver is not None else 0}  # fmt: skip
+
+    def _figures_of_departed(self, present: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The figures of the members of an elastic run that were gone by its end, as of their last heartbeat."""
+        ever = {m for event in self.membership for m in event["members"]}
+        gone = sorted(ever - {p["rank"] for p in present})
+        figures = [self.member.figures_of(member) for member in gone]
+        return [f for f in figures if f is not None and f["counter"] is not None]
+
     def _summarize(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         config, run = self.config, self.config.run
         trainers = [p for p in everyone if not p["server"]]
+        # what the members gone by the end trained on and sent counts too (a fixed world's: nobody is gone)
+        counted = everyone + (self._figures_of_departed(everyone) if self.elastic else [])
         evals = self.records.evals
         final = evals[-1] if evals else {}
         wall = max(p["time_s"] for p in trainers)
@@ -396,8 +413,11 @@ class Ending:
         steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
         # what the loop passed through the model (its first dimension), else steps x batch size
         samples = sum(p.get("samples") or p["steps"] * self.batch_size for p in trainers)
-        sent = sum(p["counter"]["bytes_sent"] for p in everyone)
-        uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in everyone)
+        samples += sum(p["samples"] for p in counted[len(everyone) :])
+        if self.elastic and not self.detached:  # as the members reported them at each boundary (fast.runtime.live)
+            samples = self.samples_trained + sum(p["samples"] - p["samples_reported"] for p in trainers)
+        sent = sum(p["counter"]["bytes_sent"] for p in counted)
+        uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in counted)
         staleness = [s for p in everyone for s in p["staleness"]]
         fractions, waits_for_peers = peers_fractions([p.pop("arrivals", None) for p in everyone])
         if run.trace:  # inside each wait, its part waiting for peers: a part of trace.json of its own
@@ -438,10 +458,10 @@ class Ending:
             "samples_per_s": samples / wall if wall > 0 else None,
             "step_time_s": wall / steps if steps else None,
             "bytes_sent": sent,
-            "bytes_received": sum(p["counter"]["bytes_received"] for p in everyone),
+            "bytes_received": sum(p["counter"]["bytes_received"] for p in counted),
             "bytes_sent_uncompressed": uncompressed,
             # set-up and measurement (the start's broadcast, evaluations, divergence), not in bytes_sent
-            "bytes_sent_unmetered": sum(p["counter"]["bytes_sent_unmetered"] for p in everyone),
+            "bytes_sent_unmetered": sum(p["counter"]["bytes_sent_unmetered"] for p in counted),
             "compression_ratio": uncompressed / sent if sent else None,
             "targets": [t.label for t in targets],
             "time_to_target_s": time_to,

@@ -525,7 +525,6 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self.trained_s = self.clock.now()
         if self.elastic and not self.detached:  # the step is taken: the data cursor moves past every member's batch
             self.data_cursor += self.samples_per_step
-            self.samples_trained += self.samples_per_step
         elif self.lockstep and self._check_due(done):
             self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
         elif self.strategy.stops_alone and self.config.run.max_time_s is not None:

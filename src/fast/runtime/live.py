@@ -72,7 +72,9 @@ class Live:
         self._boundary_at = -1  # the step whose membership round is done
         self._closed = False  # (worker 0) closed to joiners
         self.data_epoch, self.data_cursor = 0, 0
-        self.samples_trained = 0  # by every member together, since the start (run.max_samples)
+        # what the members trained on, as each reported it at the next boundary (run.max_samples, the summary's)
+        self.samples_trained, self._samples_reported = 0, 0
+        self.member.report(self._reported_figures)
         if self.joining:
             self.member.ready()
         self._connect_newest(dropped_if_absent=False)
@@ -167,12 +169,16 @@ class Live:
             first = self.world.index() == 0
             newer = int(first and self.member.newest() > self.generation.number)
             ending = int(self._budget_spent(self.trained_s) or (first and self.member.stopping()))
+            fresh = self.driver.samples - self._samples_reported
             try:
-                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending], set())
+                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending, fresh], set())
             except CommError:
                 self._regroup(failed=True)
                 continue
-            if answer.any(1):
+            # (a member gone since the last boundary takes what it trained since with it: a round it did not end)
+            self.samples_trained += sum(flags[2] for flags in answer.flags)
+            self._samples_reported = self.driver.samples
+            if answer.any(1) or self._samples_spent():
                 self._stopping = True
             if not answer.any(0):
                 self._boundary_at = self.step
@@ -180,11 +186,14 @@ class Live:
             self._regroup(failed=False)
 
     def _budget_spent(self, trained_s: float) -> bool:
-        """Whether run.max_time or run.max_samples is reached (the same on every member at a boundary)."""
-        run = self.config.run
-        return (run.max_time_s is not None and trained_s >= run.max_time_s) or (
-            run.max_samples is not None and self.samples_trained >= run.max_samples
-        )
+        """Whether run.max_time (on this member's clock) or run.max_samples is reached."""
+        limit = self.config.run.max_time_s
+        return (limit is not None and trained_s >= limit) or self._samples_spent()
+
+    def _samples_spent(self) -> bool:
+        """Whether run.max_samples is reached (the same on every member after a boundary's round)."""
+        limit = self.config.run.max_samples
+        return limit is not None and self.samples_trained >= limit
 
     def _set_up_live(self, set_up: Any) -> None:
         """Set the strategy up over the first group (`set_up`); if a member went meanwhile (a group of the setup

@@ -25,6 +25,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -304,6 +305,7 @@ class Member:
         self._stop = threading.Event()
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
         self._ending = False  # worker 0 has ended, as the heartbeat last read it
+        self._figures: Callable[[], dict[str, Any]] | None = None
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
         self._beats.start()
 
@@ -312,6 +314,8 @@ class Member:
         while True:
             try:
                 store.set(PREFIX + f"heartbeat/{self.id}", repr(time.time()))
+                if self._figures is not None:
+                    store.set(PREFIX + f"figures/{self.id}", json.dumps(self._figures()))
                 evicted = read_key(store, f"evict/{self.id}")
                 self._asked_to_stop = self._asked_to_stop or bool(store.check([PREFIX + "stopping"]))
                 self._ending = self._ending or bool(store.check([PREFIX + "ending"]))
@@ -404,8 +408,20 @@ class Member:
         """Worker 0 has started training (for a run whose members form no group until the end)."""
         self.store.set(PREFIX + "started", "1")
 
+    def report(self, figures: Callable[[], dict[str, Any]]) -> None:
+        """Leave `figures()` (JSON) in the store with each heartbeat and on leaving: what the run's summary counts of
+        this member if it is gone by the end (its bytes, its samples)."""
+        self._figures = figures
+
+    def figures_of(self, member: int) -> dict[str, Any] | None:
+        """What `member` last reported (None: nothing)."""
+        text = read_key(self.store, f"figures/{member}")
+        return json.loads(text) if text is not None else None
+
     def leave(self, how: str) -> None:
         try:
+            if self._figures is not None:
+                self.store.set(PREFIX + f"figures/{self.id}", json.dumps(self._figures()))
             self.store.set(PREFIX + f"leave/{self.id}", how)
         except Exception:
             pass

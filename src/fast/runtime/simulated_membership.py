@@ -43,6 +43,7 @@ class SimulatedMembership:
         self.settled: dict[int, bool] = {}  # generation -> formed (True) or abandoned (False)
         self.ending = False
         self.closed = False  # to joiners and churn (worker 0 out of time while the members re-form)
+        self.figures: dict[int, Callable[[], dict[str, Any]]] = {}  # each member's, read at the end
         self._waiting: list[Any] = []
 
     @property
@@ -170,6 +171,13 @@ class SimulatedMember:
 
     def stopping(self) -> bool:
         return False  # a simulated run is one process: nothing outside it asks it to stop
+
+    def report(self, figures: Callable[[], dict[str, Any]]) -> None:
+        self.membership.figures[self.id] = figures
+
+    def figures_of(self, member: int) -> dict[str, Any] | None:
+        figures = self.membership.figures.get(member)
+        return figures() if figures is not None else None  # (a gone member's task stopped where it died)
 
     def leave(self, how: str) -> None:
         self.membership.publish(left=[{"member": self.id, "how": how}])
