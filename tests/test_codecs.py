@@ -98,7 +98,31 @@ def expected_frame_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) 
     if name == "powersgd":
         rows, columns = shape[0], n // shape[0]
         body = 4 * (rows + columns) * 1 if len(shape) >= 2 and rows + columns < rows * columns else n * size
+    if name in ("chunk-topk", "dct-topk"):
+        blocks, size_of_block = chunked_blocks(shape)
+        kept = blocks * min(size_of_block, max(1, round(size_of_block / 32)) if name == "chunk-topk" else 32)
+        indices = bits_in_bytes(kept, max(1, (size_of_block - 1).bit_length()))
+        body = 4 + 4 * 4 + indices + math.ceil(2 * kept / 8) if name == "chunk-topk" else 4 * kept + indices
     return header(len(shape)) + body + crc()
+
+
+def chunked_blocks(shape: tuple[int, ...], chunk: int = 64) -> tuple[int, int]:
+    """How many blocks a chunked codec cuts a tensor into, and their size: the tensor as (first dim, the rest);
+    a side up to `chunk` whole, else in pieces of its largest divisor up to `chunk` if at least chunk / 2, else
+    of `chunk` (padded)."""
+    rows, cols = (1, math.prod(shape)) if len(shape) <= 1 else (shape[0], math.prod(shape[1:]))
+
+    def side(s: int) -> int:
+        divisor = max(d for d in range(1, min(s, chunk) + 1) if s % d == 0)
+        return s if s <= chunk else divisor if 2 * divisor >= chunk else chunk
+
+    return math.ceil(rows / side(rows)) * math.ceil(cols / side(cols)), side(rows) * side(cols)
+
+
+def bits_in_bytes(count: int, width: int) -> int:
+    """Bytes of `count` codes of `width` bits, stored in planes of 8, 4, 2 and 1 bits (12 = 8 + 4)."""
+    planes = [plane for plane in (8, 4, 2, 1) if width & plane] if width <= 15 else [8, 8]
+    return sum(math.ceil(count * plane / 8) for plane in planes)
 
 
 SIZES = [(1,), (7,), (8,), (255,), (256,), (257,), (1000,), (65536,), (65537,), (100_000,), (3, 5), (64, 3, 5, 5)]

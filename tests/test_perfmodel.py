@@ -199,6 +199,8 @@ def test_every_strategy_with_a_cost_model_lists_its_options():
         "local-sgd": {"period": 2},
         "diloco": {"period": 2},
         "streaming-diloco": {"period": 4, "fragments": 2},
+        "sparseloco": {"period": 2},
+        "noloco": {"period": 2},
     }
     required["gossip"] = {"degree": 2}
     built_in = [name for name, cls in priced().items() if cls.__module__.startswith("fast.")]  # not the examples'

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from fast.codecs import Codec
 from fast.config import Config
 from fast.emulation.deployment import link_table, slowdown_of
 from fast.errors import ConfigError
@@ -93,7 +94,7 @@ def sums_in_shared_memory(config: Config) -> bool:
     if cls is None or not cls.reduces_in_shared_memory or not config.run.shared_memory:
         return False
     flat = not getattr(strategy_options(config), "hierarchical", 0)
-    return flat and config.network is None and config.run.device == "cpu" and config.codec.name == "none"
+    return flat and config.network is None and config.run.device == "cpu" and message_codec(config) is None
 
 
 def links_between_workers(config: Config) -> tuple[Link, Link | None]:
@@ -115,14 +116,23 @@ def links_between_workers(config: Config) -> tuple[Link, Link | None]:
     return slowest(pairs), (slowest(inside) if inside else None)
 
 
+def message_codec(config: Config) -> Codec | None:
+    """The codec a model-sized message goes through: the strategy's own (sparseloco, demo), or `[codec]`'s."""
+    cls = _strategy(config)
+    own = cls.own_codec(strategy_options(config)) if cls is not None else None
+    if own is not None or config.codec.name == "none":
+        return own
+    from fast.codecs import build_codec
+
+    return build_codec(config.codec.name, **config.codec.options())
+
+
 def message_bytes(config: Config, model: nn.Module) -> int:
     """Bytes of one model-sized message: float32 parameters, or the codec's frames for them."""
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    if config.codec.name == "none":
+    codec = message_codec(config)
+    if codec is None:
         return sum(4 * math.prod(shape) for shape in shapes)
-    from fast.codecs import build_codec
-
-    codec = build_codec(config.codec.name, **config.codec.options())
     return sum(codec.encoded_size(shape) for shape in shapes)
 
 
@@ -156,13 +166,10 @@ def cost_options(config: Config, inner_link: Link | None) -> dict[str, Any]:
 def frames_are_gathered(config: Config) -> bool:
     """Whether the codec's frames cannot be added on the way, so its collectives are all-gathers (top-k, the
     quantisers) rather than all-reduces (none, fp16, bf16) or sums of factors (PowerSGD)."""
-    if config.codec.name == "none":
-        return False
-    from fast.codecs import build_codec
     from fast.exchange.allreduce import base_codec
 
-    codec = build_codec(config.codec.name, **config.codec.options())
-    return not codec.summable and not base_codec(codec).low_rank
+    codec = message_codec(config)
+    return codec is not None and not codec.summable and not base_codec(codec).low_rank
 
 
 def price(config: Config, nbytes: float, compute_s: float) -> StepCost:

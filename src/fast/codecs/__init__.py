@@ -15,6 +15,7 @@ from typing import Any
 
 from fast.codecs.base import Codec
 from fast.codecs.cast import BFloat16, Float16, NoCompression
+from fast.codecs.chunked import ChunkTopK, DctTopK
 from fast.codecs.dgc import DGC
 from fast.codecs.frame import CODEC_IDS, Frame, pack_frame, unpack_frame
 from fast.codecs.memory import ErrorFeedback
@@ -39,6 +40,8 @@ _CLASSES: dict[str, type[Codec]] = {
     "threshold": Threshold,
     "dgc": DGC,
     "powersgd": PowerSGD,
+    "chunk-topk": ChunkTopK,
+    "dct-topk": DctTopK,
 }
 CODECS: tuple[str, ...] = tuple(_CLASSES)
 _ERROR_FEEDBACK_BY_DEFAULT = {"ef-sign", "powersgd"}
@@ -73,8 +76,10 @@ __all__ = [
     "CODECS",
     "CODEC_IDS",
     "BFloat16",
+    "ChunkTopK",
     "Codec",
     "DGC",
+    "DctTopK",
     "ErrorFeedback",
     "Float16",
     "Frame",

@@ -52,6 +52,8 @@ CODEC_IDS: dict[str, int] = {
     "threshold": 10,
     "dgc": 11,
     "powersgd": 12,
+    "chunk-topk": 13,
+    "dct-topk": 14,
 }
 CODEC_NAMES: dict[int, str] = {code: name for name, code in CODEC_IDS.items()}
 

@@ -8,6 +8,9 @@ One step per tensor key (Seide et al. 2014; Karimireddy et al. 2019), as in GRAC
     return frame                      send
 
 so that sent + new residual == x + old residual. The receiver needs no memory: decoding is the codec's.
+
+With a `decay` β < 1 the memory fades: compensated = x + β · residual, so that it is a momentum of what was
+not sent (SparseLoCo's error feedback, DeMo's decoupled momentum: sent + new residual == x + β · old residual).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from fast.codecs.frame import MAX_FRAME_BYTES
 class ErrorFeedback(Codec):
     """Wraps `codec` with a per-key residual memory; on the wire it is exactly `codec`."""
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: Codec, decay: float = 1.0):
         super().__init__(min_elements=codec.min_elements, seed=codec.seed)
         if isinstance(codec, ErrorFeedback):
             raise ValueError("the codec already has error feedback")
-        self.codec = codec
+        self.codec, self.decay = codec, decay
         self.name = codec.name
         for capability in CAPABILITIES:  # on the wire it is the codec it wraps
             setattr(self, capability, getattr(codec, capability))
@@ -41,8 +44,9 @@ class ErrorFeedback(Codec):
         return self._residuals.get(key)
 
     def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """x plus the residual kept for `key`, computed in the memory's own buffer (no new tensor)."""
-        return per_tensor_state(self._residuals, key, x).add_(x)
+        """x plus the residual kept for `key` (times `decay`), computed in the memory's own buffer (no new tensor)."""
+        residual = per_tensor_state(self._residuals, key, x)
+        return (residual.mul_(self.decay) if self.decay != 1.0 else residual).add_(x)
 
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """Remember what of `compensated` (the buffer compensate returned) the receiver did not get."""
@@ -78,4 +82,5 @@ class ErrorFeedback(Codec):
         self._residuals = {key: value.clone() for key, value in state["residuals"].items()}
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.codec!r})"
+        decay = f", decay={self.decay:g}" if self.decay != 1.0 else ""
+        return f"ErrorFeedback({self.codec!r}{decay})"

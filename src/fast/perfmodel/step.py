@@ -123,7 +123,9 @@ def peer_messages(workers: int, options: dict[str, Any], default_peers: int | No
 
 
 def periodic(n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
-    """An all-reduce every `period` steps, waited for (local SGD, DiLoCo): compute + all-reduce / period."""
+    """An all-reduce every `period` steps, waited for (local SGD, DiLoCo): compute + all-reduce / period; with
+    `eager`, behind the next round's steps: only what they do not hide is waited for."""
     period = count(options, "period", None, low=1)
     seconds, nbytes = collective(n, workers, link, options)
-    return StepCost(compute_s + seconds / period, compute_s, seconds / period, nbytes / period)
+    waited = max(0.0, seconds - period * compute_s) if options.get("eager") else seconds
+    return StepCost(compute_s + waited / period, compute_s, seconds / period, nbytes / period)

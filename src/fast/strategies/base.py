@@ -100,6 +100,12 @@ class Strategy:
         return codec.name == "none"
 
     @classmethod
+    def own_codec(cls, options: StrategyOptions) -> Codec | None:
+        """The codec this strategy sends through whatever `[codec]` says (sparseloco, demo), for its cost model and
+        its exchanges; None: `[codec]`'s."""
+        return None
+
+    @classmethod
     def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
         """The predicted step (fast.perfmodel): `n` bytes of one model-sized message, the link, one step's
         compute, and the options named in `cost_options`. The base strategy does not communicate."""

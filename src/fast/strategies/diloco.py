@@ -10,17 +10,27 @@ Floating-point buffers (BatchNorm statistics) are not parameters: they are simpl
 The reported model is θ; a last round at the end of the run folds in any steps after the last full round.
 With a `[codec]`, the pseudo-gradients are averaged through it (with its error feedback, per worker:
 `fast.exchange.allreduce`); every worker decodes the same mean, so θ stays the same everywhere.
+
+`eager = true` (Kale et al. 2025, eager updates): a round's all-reduce runs behind the next round's inner steps,
+one outer step late, so that the outer step never waits for it. Worker m's outer step at round t takes
+Δ̄⁽ᵗ⁻¹⁾ + (Δ_m⁽ᵗ⁾ − Δ_m⁽ᵗ⁻¹⁾) / M: the mean that has just arrived, in which its own pseudo-gradient stands
+replaced by the one it has now (the others' are a round old). The workers' θ then differ by their own terms;
+at the end the last mean lands and the workers take the mean of their θ (one more all-reduce), and an
+evaluation during the run evaluates that mean (measurement traffic, not counted).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from pydantic import Field
 from torch import nn
 
+from fast.config import Config
+from fast.errors import ConfigError
 from fast.strategies.flat import FlatState
 from fast.strategies.periodic import PeriodicAveraging, WarmupOptions
 
@@ -30,27 +40,46 @@ class DiLoCoOptions(WarmupOptions):
     outer_lr: float = Field(0.7, gt=0, description="learning rate of the outer optimizer")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="momentum of the outer optimizer")
     outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer optimizer")
+    eager: bool = Field(False, description="the all-reduce overlaps the next round; the own pseudo-gradient stands in")
 
 
 class DiLoCo(PeriodicAveraging):
     name = "diloco"
     Options = DiLoCoOptions
     catch_up_copies = 2.0  # θ and the outer momentum
+    cost_options = PeriodicAveraging.cost_options | {"eager"}
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         self.params = FlatState.of_parameters(model)
         self.buffers = FlatState.of_buffers(model)
         self.theta = self.params.read().clone()  # the shared weights every round starts from
-        o = self.options
-        self.outer = torch.optim.SGD(
-            [self.theta],
-            lr=o.outer_lr,
-            momentum=o.outer_momentum,
-            nesterov=o.outer_nesterov and o.outer_momentum > 0,
-        )
+        self.outer = self.outer_optimizer(self.theta)
         self.rounds = 0
         self.last_round_step = -1
+        if self.eager:
+            self.channel = self.comm.separate_group() if self.compressed is None else None
+            self.landing: Callable[[], torch.Tensor] | None = None  # the last round's mean, on its way
+            self.mine_before = torch.zeros_like(self.theta)  # this worker's pseudo-gradient of the last round
+
+    @classmethod
+    def check(cls, options: DiLoCoOptions, config: Config) -> None:
+        if getattr(options, "eager", False) and config.run.elastic:
+            raise ConfigError("`strategy.eager` with run.elastic: eager workers' θ differ, a joiner has no one θ to "
+                              "take; set strategy.eager = false")  # fmt: skip
+
+    @property
+    def eager(self) -> bool:
+        return bool(getattr(self.options, "eager", False))  # (a variant's options may not have it)
+
+    def in_background(self) -> bool:
+        return self.eager
+
+    def outer_optimizer(self, theta: torch.Tensor) -> torch.optim.Optimizer:
+        """SGD with Nesterov momentum on θ."""
+        o = self.options
+        nesterov = o.outer_nesterov and o.outer_momentum > 0
+        return torch.optim.SGD([theta], lr=o.outer_lr, momentum=o.outer_momentum, nesterov=nesterov)
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
@@ -63,7 +92,9 @@ class DiLoCo(PeriodicAveraging):
     def outer_step(self) -> None:
         """Average the pseudo-gradients, step the outer optimizer, and restart every replica from θ."""
         pseudo_gradient = self.theta - self.params.read()
-        if self.compressed is not None:
+        if self.eager:
+            pseudo_gradient = self._eager(pseudo_gradient)
+        elif self.compressed is not None:
             self.mean(pseudo_gradient, "pseudo_gradient", [t.shape for t in self.params.tensors])
         elif not self.mean_of_movers(pseudo_gradient):
             return  # every worker's loop has ended: θ stays as it is (its momentum would still move it)
@@ -78,17 +109,52 @@ class DiLoCo(PeriodicAveraging):
         self.rounds += 1
         self.last_round_step = self.last_step
 
+    def _eager(self, mine: torch.Tensor) -> torch.Tensor:
+        """Send this round's pseudo-gradient on its way; the outer gradient from the last round's mean."""
+        shapes = [t.shape for t in self.params.tensors]
+        summed = mine.clone()
+        if self.compressed is not None:
+            pending = self.compressed.start(summed, "pseudo_gradient", shapes=shapes)
+            contributors: Callable[[], int] = pending.wait
+        else:
+            handle = self.channel.all_reduce(summed, async_op=True)
+            contributors = lambda: handle.wait() is not None and self.comm.size  # noqa: E731
+        before = self.landing() if self.landing is not None else torch.zeros_like(mine)
+        self.landing = lambda: summed.div_(max(1, contributors()))
+        gradient = eager_outer_gradient(before, mine, self.mine_before, self.comm.size)
+        self.mine_before = mine
+        return gradient
+
+    @torch.no_grad()
+    def _agree(self, metered: bool) -> torch.Tensor:
+        """The mean of the workers' θ (eager: each worker's differs by its own terms)."""
+        theta = self.theta.clone()
+        if metered:
+            self.comm.all_reduce(theta, op="mean")
+        else:
+            with self.comm.unmetered():
+                self.comm.all_reduce(theta, op="mean")
+        return theta
+
     def end_of_run(self) -> None:
         if not self.warming_up(self.last_step) and self.last_round_step != self.last_step:
-            if self.compressed is not None or self.round_owed(self.last_round_step):
+            if self.compressed is not None or self.eager or self.round_owed(self.last_round_step):
                 self.outer_step()
+        if self.eager and self.landing is not None:
+            self.landing()  # the last mean lands; what is left of its news is in the workers' θ, averaged now
+            self.landing = None
+            with torch.no_grad():
+                self.theta.copy_(self._agree(metered=True))
+                self.params.write(self.theta)
+            if self.compressed is not None:
+                self.compressed.close()
 
     def final_model(self, choice: str | None = None) -> nn.Module:
         """θ, which every worker holds (no communication); "best" and "worker:K" pick a local replica."""
         if (choice or self.options.final_model) != "average":
             return super().final_model(choice)
         model = copy.deepcopy(self.model)
-        FlatState.of_parameters(model).write(self.theta)
+        FlatState.of_parameters(model).write(self._agree(metered=False) if self.eager else self.theta)
         return model
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,6 +169,10 @@ class DiLoCo(PeriodicAveraging):
         }
         if self.compressed is not None:
             state["codec"] = self.compressed.state_dict()
+        if self.eager:  # the mean on its way is waited for: a resumed run applies it at the next round
+            mean = self.landing() if self.landing is not None else None
+            self.landing = (lambda: mean) if mean is not None else None
+            state["eager"] = {"landing": mean, "mine_before": self.mine_before.clone()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -114,7 +184,18 @@ class DiLoCo(PeriodicAveraging):
         self.last_round_step = int(state.get("last_round_step", -1))
         if self.compressed is not None and "codec" in state:
             self.compressed.load_state_dict(state["codec"])
+        if self.eager and "eager" in state:
+            mean = state["eager"]["landing"]
+            self.landing = (lambda: mean.clone()) if mean is not None else None
+            self.mine_before = state["eager"]["mine_before"].clone()
 
     def summary(self) -> dict[str, Any]:
         reported = "theta" if self.options.final_model == "average" else self.options.final_model
         return {"outer_rounds": self.rounds, "final_model": reported}
+
+
+def eager_outer_gradient(mean_before: torch.Tensor, mine: torch.Tensor, mine_before: torch.Tensor,
+                         workers: int) -> torch.Tensor:  # fmt: skip
+    """Eager's outer gradient: the last round's mean with this worker's own pseudo-gradient of then replaced by
+    the one it has now, Δ̄⁽ᵗ⁻¹⁾ + (Δ⁽ᵗ⁾ − Δ⁽ᵗ⁻¹⁾) / M."""
+    return mean_before + (mine - mine_before) / workers

@@ -43,11 +43,19 @@ class PeriodicAveraging(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)
         codec = self.make_codec()
-        overlapped = self.overlapped
-        self.compressed = CompressedAllReduce(self.comm, codec, background=overlapped) if codec is not None else None
+        background = self.in_background()
+        self.compressed = CompressedAllReduce(self.comm, codec, background=background) if codec is not None else None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.last_step = -1
         self.moved = False  # this replica took a step since the last round
+
+    def in_background(self) -> bool:
+        """Whether the rounds' exchanges run behind the next steps, on a thread of their own."""
+        return self.overlapped
+
+    def regroup(self) -> None:
+        if self.compressed is not None and not self.in_background():  # (its codec's memory is this worker's own)
+            self.compressed.comm = self.comm
 
     def before_optimizer_step(self) -> None:
         super().before_optimizer_step()

@@ -64,6 +64,9 @@ class StreamingDiLoCo(PeriodicAveraging):
 
     @classmethod
     def check(cls, options: StreamingDiLoCoOptions, config: Config) -> None:
+        if options.eager:
+            raise ConfigError("`strategy.eager` with streaming-diloco: its fragments overlap with `delay` and `alpha`"
+                              " instead; use strategy diloco for eager updates")  # fmt: skip
         if options.delay >= options.period:
             raise ConfigError(f"`strategy.delay` = {options.delay} must be below strategy.period = {options.period}: "
                               "a fragment's round must land before its next one starts")  # fmt: skip

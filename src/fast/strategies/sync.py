@@ -150,12 +150,12 @@ class Sync(Strategy):
             ranks = self.comm.ranks
             self.group = self.comm.subgroups([ranks[i : i + g] for i in range(0, len(ranks), g)])
             self.leaders = self.comm.subgroups([ranks[::g]])
-        codec = self.ctx.config.codec
-        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad], codec.name == "none")
+        codec = self.make_codec()
+        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad], codec is None)
         self.compressed: CompressedAllReduce | None = None
         self.momentum: MomentumCorrection | None = None
-        if codec.name != "none":
-            self.compressed = CompressedAllReduce(self.comm, self.make_codec(), background=True)
+        if codec is not None:
+            self.compressed = CompressedAllReduce(self.comm, codec, background=True)
             correct = self.options.momentum_correction
             if correct or (correct is None and codec.name != "powersgd"):
                 self.momentum = MomentumCorrection(optimizer)

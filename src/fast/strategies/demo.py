@@ -1,0 +1,65 @@
+"""`demo`: DeMo (Peng, Quesnelle, Kingma 2024), decoupled momentum: only the momentum's fast components travel.
+
+Each step every worker adds its gradient to a momentum of its own, m ← β·m + g (`momentum_decay` β), and sends
+only m's fast components: the `k` largest coefficients of an orthonormal DCT of each 64 x 64 block (each chunk
+of 64 of a vector), the `dct-topk` codec (fast.codecs.chunked). What it sent leaves its momentum, m ← m − q,
+so that the slow components build up until they are fast enough to go. The frames are all-gathered, every
+worker decodes the same mean of the q's (back in the parameters' basis), and the step's gradient is its sign
+(`sign = true`, as the paper's signum update; `false`: the mean itself). The run's `[optimizer]` applies it:
+plain SGD (no momentum: the strategy's is the momentum) with the learning rate and weight decay is the paper's.
+
+The reference code puts the learning rate inside the momentum (m ← β·m + lr·g); with a constant learning rate
+that only rescales m, which the sign ignores.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fast.codecs import Codec, ErrorFeedback
+from fast.codecs.chunked import DctTopK
+from fast.config import Config
+from fast.errors import ConfigError
+from fast.strategies.sync import Sync, SyncOptions
+
+
+class DeMoOptions(SyncOptions):
+    momentum_decay: float = Field(0.999, ge=0, lt=1, description="the decoupled momentum's decay (β)")
+    k: int = Field(32, ge=1, description="DCT coefficients sent per block (chunk x chunk of a matrix)")
+    chunk: int = Field(64, ge=1, le=256, description="side of the blocks the DCT is taken on")
+    sign: bool = Field(True, description="the step's gradient is the sign of the mean (the paper's signum)")
+    momentum_correction: bool | None = Field(False, description="(the decoupled momentum is the momentum)")
+
+
+class DeMo(Sync):
+    name = "demo"
+    Options = DeMoOptions
+
+    @classmethod
+    def accepts_codec(cls, codec: Codec) -> bool:
+        return codec.name == "none"  # its compressor is its own (the options above)
+
+    @classmethod
+    def check(cls, options: DeMoOptions, config: Config) -> None:
+        super().check(options, config)
+        if options.momentum_correction:
+            raise ConfigError("`strategy.momentum_correction` with demo: its decoupled momentum is the momentum; "
+                              "leave it out")  # fmt: skip
+        if options.hierarchical:
+            raise ConfigError("`strategy.hierarchical` with demo: it gathers frames, not sums; set it to 0")
+        if config.run.elastic:
+            raise ConfigError("demo with run.elastic: its momenta are each worker's own and a joiner's would start "
+                              "empty mid-run; set run.elastic = false")  # fmt: skip
+
+    @classmethod
+    def own_codec(cls, options: DeMoOptions) -> Codec:
+        return DctTopK(k=options.k, chunk=options.chunk)
+
+    def make_codec(self) -> Codec:
+        return ErrorFeedback(self.own_codec(self.options), decay=self.options.momentum_decay)
+
+    def after_backward(self, step: int) -> None:
+        super().after_backward(step)
+        if self.options.sign:
+            for bucket in self.buckets:
+                bucket.grads.sign_()
