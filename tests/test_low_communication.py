@@ -179,3 +179,16 @@ def test_noloco_trains_with_a_message_to_one_partner_a_round_and_survives_a_kill
                          strategy__name="noloco", strategy__period=4, **job)  # fmt: skip
     assert [f["worker"] for f in summary["failures"]] == [1]
     assert summary["final_test_accuracy"] > 0.85
+
+
+def test_a_streaming_run_evaluates_mid_run_the_model_it_would_report_if_it_stopped_there(tmp_path, no_orphans):
+    """The evaluation at step 11 (mid-round, a fragment in flight) equals the final one of the same run stopped at
+    step 11: the rounds in flight land and every fragment's last round folds in its steps since."""
+    job = {**JOB, "run__epochs": 2, "run__eval_every": 0.5, "schedule__name": "constant",
+           "strategy__name": "streaming-diloco", "strategy__period": 8, "strategy__fragments": 2,
+           "strategy__delay": 2}  # fmt: skip
+    whole = fast.train(None, out=str(tmp_path / "whole"), **job)
+    first = whole["evaluations"][0]
+    stopped = fast.train(None, out=str(tmp_path / "stopped"), **{**job, "run__max_steps": first["step"]})
+    assert first["step"] % 8 not in (0, 4)  # between rounds: not what a plain θ would read
+    assert stopped["evaluations"][-1]["test_loss"] == pytest.approx(first["test_loss"], rel=1e-5)

@@ -145,10 +145,11 @@ class StreamingDiLoCo(PeriodicAveraging):
         if self.compressed is not None:
             shapes = [t.shape for t in self.local[p].tensors]
             pending = self.compressed.start(delta, f"fragment{p}", shapes=shapes, count=torch.tensor([moved]))
-            self.in_flight[p] = (step + self.options.delay, lambda: delta.div_(n) if (n := pending.wait()) else None)
+            mean = once(lambda: delta.div_(n) if (n := pending.wait()) else None)
         else:
             handle = self.channel.all_reduce(with_count(delta, bool(moved)), async_op=True)
-            self.in_flight[p] = (step + self.options.delay, lambda: mean_of_counted(handle.wait()))
+            mean = once(lambda: mean_of_counted(handle.wait()))
+        self.in_flight[p] = (step + self.options.delay, mean)
         self.last_round[p] = step
         if p == 0 and self.buffers.numel:
             buffers = self.buffers.read()
@@ -181,6 +182,42 @@ class StreamingDiLoCo(PeriodicAveraging):
                 self.local[p].write(self.thetas[p])
         if self.compressed is not None:
             self.compressed.close()
+
+    @torch.no_grad()
+    def eval_model(self) -> nn.Module:
+        """The model the run would report if it stopped now, as `end_of_run` would make it, without changing the
+        run: the rounds in flight land, and a last round of every fragment folds in the steps since its own (its
+        all-reduce is measurement traffic). θ alone mixes fragments a round apart (its perplexity reads several
+        times the model's)."""
+        o = self.options
+        if o.final_model != "average":
+            return super().eval_model()
+        thetas = [theta.clone() for theta in self.thetas]
+        outer = torch.optim.SGD(thetas, lr=o.outer_lr, momentum=o.outer_momentum,
+                                nesterov=o.outer_nesterov and o.outer_momentum > 0)  # fmt: skip
+        outer.load_state_dict(copy.deepcopy(self.outer.state_dict()))
+        local = [state.read() for state in self.local]
+
+        def step(p: int, mean: torch.Tensor) -> None:
+            for q, theta in enumerate(thetas):
+                theta.grad = mean if q == p else None
+            outer.step()
+
+        for p, (_, mean_of) in sorted(self.in_flight.items()):
+            mean = mean_of()
+            if mean is not None:
+                step(p, mean)
+                local[p].mul_(o.alpha).add_(thetas[p], alpha=1 - o.alpha)
+        if not self.warming_up(self.last_step):
+            for p in range(len(local)):
+                if self.last_round[p] != self.last_step:
+                    delta = thetas[p] - local[p]
+                    with self.comm.unmetered():
+                        self.comm.all_reduce(delta, op="mean")
+                    step(p, delta)
+        model = copy.deepcopy(self.model)
+        FlatState.of_parameters(model).write(torch.cat(thetas))
+        return model
 
     def final_model(self, choice: str | None = None) -> nn.Module:
         """θ, which every worker holds; "best" and "worker:K" pick a local replica."""
@@ -215,3 +252,15 @@ class StreamingDiLoCo(PeriodicAveraging):
 
     def summary(self) -> dict[str, Any]:
         return {"outer_rounds": self.rounds, "fragments": len(self.local), "final_model": "theta"}
+
+
+def once(compute: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:
+    """`compute`, run at the first call only: a round's mean, which an evaluation may read before it lands."""
+    result: list[torch.Tensor | None] = []
+
+    def first_time() -> torch.Tensor | None:
+        if not result:
+            result.append(compute())
+        return result[0]
+
+    return first_time
