@@ -1,107 +1,142 @@
-"""The language model of examples/lm on 4 workers linked at 10 Mbit/s, 50 ms: sync, local SGD and DiLoCo.
+"""The low-communication frontier on the language model of examples/lm: 4 workers linked at 10 Mbit/s, 50 ms.
 
-    .venv/bin/python bench/lm.py [--steps 300] [--out DIR]          # about 20 minutes on 2 cores
+    .venv/bin/python bench/lm.py [--steps 600] [--seeds 3] [--variants sync diloco ...] [--sync-on-links]
 
 Every variant is the user's own script (examples/lm/train.py, the loop API) started by `fast run`, with the same
-seed, model (a byte-level transformer, [model] width 96), data, AdamW inner optimizer and warm-up-then-cosine
-schedule, on the same emulated links. `sync` trains `--steps` steps; the others, whose steps are cheap on such
-links, train twice as many, so that the question is how soon and with how many bytes each gets to the validation
-perplexity sync ends at. DiLoCo's outer optimizer is Nesterov SGD (lr 0.7, momentum 0.5: with so few outer
-rounds, the paper's 0.9 overshoots); one DiLoCo variant also sends its pseudo-gradients as 8-bit integers.
-`streaming-fp16` is Streaming DiLoCo: 4 fragments, each synchronised every 300 steps a quarter period apart, the
-all-reduce of fp16 pseudo-gradients overlapping 5 inner steps.
+model (a byte-level transformer, [model] width 96), data, warm-up-then-cosine schedule and AdamW inner optimizer
+(`demo`, whose update is its own signum, steps plain SGD), and the same number of steps: the same tokens. The
+rows: sync; DiLoCo; Streaming DiLoCo; SparseLoCo at DiLoCo's period; DeMo; DiLoCo with eager updates; NoLoCo.
+`sync` is the quality reference: its updates and bytes do not depend on the links, so it trains without them
+(unless `--sync-on-links`), one seed, and its time on the emulated link is priced from its measured step
+(`fast.pricing`, the cost model `fast predict` uses). The others run on the emulated links, `--seeds` seeds each.
 
-Targets: a DiLoCo variant within 5% of sync's final validation perplexity with at least 50x fewer bytes, and at
-sync's final perplexity sooner in wall time than sync; streaming within 5% with at least 200x fewer bytes.
-A report.html of the runs is written beside them.
+Per variant: the validation perplexity at the end (mean and range over the seeds), MB sent, sync's MB over
+its MB, and the time to sync's final perplexity on the emulated link. Targets: a method with at least 1,000x
+fewer bytes than sync within 3% of its perplexity; sparseloco within 3% of diloco's perplexity with at least 20x
+fewer bytes than diloco at the same period. A report.html of the first seed's runs is written beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import fast
+from fast.assemble import load_config
+from fast.pricing import predicted_step_time
 from fast.tools.comparison import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "lm" / "train.py"
 WORKERS = 4
 NETWORK = {"network__bandwidth": "10Mbit", "network__latency": "50ms"}
-JOB = {"model__width": 96, "run__log_every": 20, "run__seed": 0}
-LONGER = 2  # the variants other than sync train this many times sync's steps
-DILOCO = {"strategy__name": "diloco", "strategy__outer_lr": 0.7, "strategy__outer_momentum": 0.5}
+JOB = {"model__width": 96, "run__log_every": 20}
+PERIOD = 15  # DiLoCo's, SparseLoCo's, eager DiLoCo's and NoLoCo's H (SparseLoCo's paper: 15)
+DILOCO = {"strategy__name": "diloco", "strategy__period": PERIOD, "strategy__outer_lr": 0.7,
+          "strategy__outer_momentum": 0.5}  # fmt: skip
 VARIANTS = {
     "sync": {"strategy__name": "sync", "strategy__bucket_mb": 8.0},
-    "local-sgd": {"strategy__name": "local-sgd", "strategy__period": 25},
-    "diloco": {**DILOCO, "strategy__period": 120},
-    "diloco-uint8": {**DILOCO, "strategy__period": 60, "codec__name": "uint8"},
-    "streaming-fp16": {
+    "diloco": DILOCO,
+    "streaming-diloco": {
         **DILOCO,
         "strategy__name": "streaming-diloco",
-        "strategy__period": 300,
-        "strategy__fragments": 4,
+        "strategy__period": 2 * PERIOD,
+        "strategy__fragments": 2,
         "strategy__delay": 5,
         "codec__name": "fp16",
     },  # fmt: skip
+    "sparseloco": {"strategy__name": "sparseloco", "strategy__period": PERIOD},
+    "demo": {
+        "strategy__name": "demo",
+        "strategy__bucket_mb": 8.0,
+        "optimizer__name": "SGD",
+        "optimizer__lr": 0.001,
+        "optimizer__weight_decay": 0.0,
+        "optimizer__momentum": 0.0,
+    },  # fmt: skip
+    "diloco-eager": {**DILOCO, "strategy__eager": True},
+    "noloco": {"strategy__name": "noloco", "strategy__period": PERIOD},
 }
-TARGET_PERPLEXITY_GAP, TARGET_BYTES, TARGET_STREAMING_BYTES = 0.05, 50.0, 200.0
+TARGET_GAP, TARGET_FEWER, TARGET_SPARSE_GAP, TARGET_SPARSE_FEWER = 0.03, 1000.0, 0.03, 20.0
 
 
-def first_time_at(summary: dict, perplexity: float) -> float | None:
-    """The first evaluation time at which the run's validation perplexity was at most `perplexity`."""
-    return next((e["time_s"] for e in summary["evaluations"] if e["test_perplexity"] <= perplexity), None)
+def first_step_at(summary: dict, perplexity: float) -> tuple[int, float] | None:
+    """(step, time) of the first evaluation whose validation perplexity was at most `perplexity`."""
+    return next(((e["step"], e["time_s"]) for e in summary["evaluations"] if e["test_perplexity"] <= perplexity), None)
+
+
+def link_step_s(run: Path, compute_s: float) -> float:
+    """A run's step on the emulated link, priced from its measured computation (fast.pricing)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from lm import transformer  # examples/lm/lm.py: the model the runs trained
+
+    config = load_config(run / "config.toml", **NETWORK)
+    model = transformer(**config.model.arguments())
+    return predicted_step_time(config, model=model, compute_s=compute_s)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="sync's steps (the others train twice as many)")
+    parser.add_argument("--steps", type=int, default=600, help="every variant's steps (the same tokens)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of each low-communication variant")
     parser.add_argument("--out", default=f"runs/bench-lm-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--sync-on-links", action="store_true", help="sync on the emulated links too")
     args = parser.parse_args()
     out = Path(args.out)
-    summaries: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     for name in args.variants:
-        steps = args.steps if name == "sync" else LONGER * args.steps
-        overrides = {**JOB, **NETWORK, **VARIANTS[name], "run__max_steps": steps, "run__epochs": 2 * LONGER}
-        print(f"== {name}: {steps} steps", flush=True)
-        started = time.monotonic()
-        summaries[name] = fast.run(str(SCRIPT), workers=WORKERS, out=str(out / name), **overrides)
-        print(f"   {time.monotonic() - started:.0f} s", flush=True)
-    write_report(out, [out / name for name in summaries], title="FAST: the language model on 10 Mbit/s, 50 ms")
-    sync = summaries.get("sync")
-    print()
-    header = f"{'variant':<14} {'steps':>6} {'val ppl':>8} {'vs sync':>8} {'MB sent':>9} {'bytes/x':>8} {'wall s':>8}"
-    print(header + f" {'t to sync ppl':>13} {'sooner':>7}")
-    met = []
-    for name, s in summaries.items():
-        ppl, sent, wall = s["final_test_perplexity"], s["bytes_sent"], s["wall_time_s"]
-        if sync is None:
-            print(f"{name:<14} {s['steps_per_worker']:>6} {ppl:>8.3f} {sent / 1e6:>9.1f} {wall:>8.0f}")
-            continue
-        gap = ppl / sync["final_test_perplexity"] - 1
-        fewer = sync["bytes_sent"] / sent if sent else float("inf")
-        reach = first_time_at(s, sync["final_test_perplexity"])
-        sync_reach = first_time_at(sync, sync["final_test_perplexity"])
-        sooner = sync_reach / reach if reach else None
+        reference = name == "sync"
+        links = {} if reference and not args.sync_on_links else NETWORK
+        for seed in range(1 if reference else args.seeds):
+            overrides = {**JOB, **links, **VARIANTS[name], "run__max_steps": args.steps, "run__epochs": 100,
+                         "run__seed": seed}  # fmt: skip
+            print(f"== {name} seed {seed}: {args.steps} steps{'' if links else ' (no emulated links)'}", flush=True)
+            started = time.monotonic()
+            summary = fast.run(str(SCRIPT), workers=WORKERS, out=str(out / f"{name}-seed{seed}"), **overrides)
+            print(f"   {time.monotonic() - started:.0f} s", flush=True)
+            runs.setdefault(name, []).append(summary)
+    write_report(out, [out / f"{name}-seed0" for name in runs], title="FAST: the low-communication frontier")
+    (out / "bench.json").write_text(json.dumps(runs, indent=1))
+
+    sync = runs["sync"][0] if "sync" in runs else None
+    sync_ppl = sync["final_test_perplexity"] if sync else None
+    if sync is not None and not args.sync_on_links:  # its time on the link: its steps at the priced step
+        step_s = link_step_s(out / "sync-seed0", sync["step_compute_s"])
+        for e in sync["evaluations"]:
+            e["time_s"] = e["step"] * step_s
+    print(f"\n{'variant':<17} {'seeds':>5} {'val ppl':>8} {'range':>15} {'vs sync':>8} {'MB sent':>9} {'sync/x':>8} "
+          f"{'t to sync ppl':>13}")  # fmt: skip
+    figures: dict[str, dict] = {}
+    for name, summaries in runs.items():
+        ppl = [s["final_test_perplexity"] for s in summaries]
+        sent = statistics.mean(s["bytes_sent"] for s in summaries)
+        reached = [first_step_at(s, sync_ppl) for s in summaries] if sync_ppl else []
+        times = [r[1] for r in reached if r is not None]
+        figures[name] = {"ppl": statistics.mean(ppl), "sent": sent}
+        gap = statistics.mean(ppl) / sync_ppl - 1 if sync_ppl else None
+        fewer = sync["bytes_sent"] / sent if sync and sent else None
+        figures[name].update(gap=gap, fewer=fewer)
+        reach = f"{statistics.mean(times):.0f} s" if len(times) == len(summaries) and times else "not reached"
+        print(f"{name:<17} {len(ppl):>5} {statistics.mean(ppl):>8.3f} {f'{min(ppl):.3f}-{max(ppl):.3f}':>15} "
+              f"{f'{gap:+.1%}' if gap is not None else '-':>8} {sent / 1e6:>9.2f} "
+              f"{f'{fewer:.0f}x' if fewer else '-':>8} {reach:>13}")  # fmt: skip
+    frontier = [n for n, f in figures.items() if f["fewer"] and f["fewer"] >= TARGET_FEWER and f["gap"] <= TARGET_GAP]
+    print(f"\n>= {TARGET_FEWER:.0f}x fewer bytes than sync within {TARGET_GAP:.0%} of its perplexity: "
+          f"{'met by ' + ', '.join(frontier) if frontier else 'not met'}")  # fmt: skip
+    if "sparseloco" in figures and "diloco" in figures:
+        sparse, dense = figures["sparseloco"], figures["diloco"]
+        gap, fewer = sparse["ppl"] / dense["ppl"] - 1, dense["sent"] / sparse["sent"]
+        met = gap <= TARGET_SPARSE_GAP and fewer >= TARGET_SPARSE_FEWER
         print(
-            f"{name:<14} {s['steps_per_worker']:>6} {ppl:>8.3f} {gap:>+8.1%} {sent / 1e6:>9.1f} {fewer:>7.1f}x "
-            f"{wall:>8.0f} {f'{reach:.0f}' if reach is not None else 'not reached':>13} "
-            f"{f'{sooner:.1f}x' if sooner else '-':>7}"
+            f"sparseloco against diloco at H={PERIOD}: {gap:+.1%} perplexity, {fewer:.0f}x fewer bytes "
+            f"(target within {TARGET_SPARSE_GAP:.0%}, >= {TARGET_SPARSE_FEWER:.0f}x): {'met' if met else 'NOT met'}"
         )
-        if name.startswith("diloco") and gap <= TARGET_PERPLEXITY_GAP and fewer >= TARGET_BYTES and sooner:
-            met.append(name)
-        if name.startswith("streaming") and gap <= TARGET_PERPLEXITY_GAP and fewer >= TARGET_STREAMING_BYTES:
-            met.append(name)
-    (out / "bench.json").write_text(json.dumps(summaries, indent=1))
-    print(f"\nreport: {(out / 'report.html').resolve()}")
-    print(
-        f"target (a DiLoCo variant within {TARGET_PERPLEXITY_GAP:.0%} of sync's perplexity, >= {TARGET_BYTES:.0f}x "
-        f"fewer bytes, at sync's perplexity sooner; streaming within {TARGET_PERPLEXITY_GAP:.0%} with >= "
-        f"{TARGET_STREAMING_BYTES:.0f}x fewer bytes): {'met by ' + ', '.join(met) if met else 'not met'}"
-    )
+    print(f"report: {(out / 'report.html').resolve()}")
     return 0
 
 

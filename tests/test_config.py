@@ -30,6 +30,15 @@ def test_overrides_reach_any_key_and_parse_toml_values(tmp_path):
     assert c.strategy.options() == {"hierarchical": 2}
 
 
+def test_another_optimizer_drops_the_old_ones_own_arguments_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[optimizer]\nname = "AdamW"\nlr = 0.002\nbetas = [0.9, 0.95]\nclip_norm = 1.0\n')
+    c = load_config(path, optimizer__name="SGD", optimizer__dampening=0.1)
+    assert c.optimizer.name == "SGD" and c.optimizer.lr == 0.002 and c.optimizer.clip_norm == 1.0
+    assert not hasattr(c.optimizer, "betas") and c.optimizer.dampening == 0.1
+    assert load_config(path, optimizer__name="adamw").optimizer.betas == [0.9, 0.95]  # the same one, other case
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

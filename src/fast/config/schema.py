@@ -367,7 +367,9 @@ def parse_value(text: str) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Set dotted keys (`run.workers`, `strategy.staleness`) in a nested dict, creating tables as needed. A new
-    strategy or codec `name` drops the old one's options, so names go first: the options given with it stay."""
+    strategy or codec `name` drops the old one's options, and a new optimizer `name` the old one's own keyword
+    arguments (AdamW's betas; lr, weight_decay and clip_norm stay), so names go first: the options given with it
+    stay."""
     names_first = sorted(overrides.items(), key=lambda item: not item[0].endswith(".name"))
     for dotted, value in names_first:
         parts = dotted.split(".")
@@ -380,6 +382,9 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 raise ConfigError(f"override `{dotted}`: `{part}` is a value, not a table")
         if parts[-1] == "name" and table.get("name") != value and parts[0] in ("strategy", "codec"):
             table.clear()  # switching strategy or codec drops the old one's options
+        if dotted == "optimizer.name" and str(table.get("name", "")).lower() != str(value).lower():
+            for key in set(table) - set(OptimizerConfig.model_fields):
+                del table[key]
         table[parts[-1]] = value
     return data
 
