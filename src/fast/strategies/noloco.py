@@ -1,6 +1,6 @@
 """`noloco`: NoLoCo (Kolehmainen et al. 2025), DiLoCo's rounds with no all-reduce: one random peer a round.
 
-Each round every worker averages with one random peer. Each worker keeps outer weights φ and an outer momentum m of its own. It runs `period` (H) steps of its inner
+Each worker keeps outer weights φ and an outer momentum m of its own. It runs `period` (H) steps of its inner
 optimizer from φ; then the workers are paired by a random perfect matching, the same on every worker (seeded by
 the run's seed and the round; fast.topology.schedules.RandomMatchings), and each pair swaps φ and the progress
 θ − φ. With φ̄ and ḡ the pair's means of φ and of θ − φ:
