@@ -8,8 +8,9 @@ trains `--steps` steps through `fast compare` (evaluation only at the end, off t
 step time is the run's wall time over its steps; the predicted one is `fast.perfmodel` fed with the run's
 own measured compute time per step (the slowest worker's work, its communication waits left out) and
 the link, as in summary.json's `predicted_step_time_s`. Target: `sync` (dense, and with top-k frames all-gathered),
-`local-sgd`, `gossip`, both `ssp` exchanges, `diloco`, `streaming-diloco` and `ad-psgd` within 25%
-(measured/predicted between 0.75 and 1.25); the others are shown for reference.
+`local-sgd`, `gossip`, both `ssp` exchanges, `diloco` (blocking and eager), `streaming-diloco`, `ad-psgd`,
+`sparseloco`, `demo` and `noloco` within 25% (measured/predicted between 0.75 and 1.25); the others are shown for
+reference.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ CHECKED = (
     "streaming-diloco",
     "diloco",
     "ad-psgd",
+    "sparseloco",
+    "demo",
+    "diloco-eager",
+    "noloco",
 )
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -48,6 +53,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ssp-allreduce": {"strategy": {"name": "ssp", "staleness": 2, "exchange": "all-reduce"}},
     "diloco": {"strategy": {"name": "diloco", "period": 8}},
     "streaming-diloco": {"strategy": {"name": "streaming-diloco", "period": 8, "fragments": 4, "delay": 1}},
+    "sparseloco": {"strategy": {"name": "sparseloco", "period": 8}},
+    "demo": {"strategy": {"name": "demo"}, "optimizer": {"name": "sgd", "lr": 0.001, "momentum": 0.0}},
+    "diloco-eager": {"strategy": {"name": "diloco", "period": 8, "eager": True}},
+    "noloco": {"strategy": {"name": "noloco", "period": 8}},
 }
 
 
