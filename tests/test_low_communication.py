@@ -17,8 +17,12 @@ import fast
 from fast.codecs import ErrorFeedback
 from fast.codecs.chunked import ChunkTopK, DctTopK
 from fast.jobs.models import build_model
+from fast.runtime.launch import WorkerFailed
 from fast.strategies.diloco import eager_outer_gradient
 from fast.strategies.noloco import noloco_step
+from tests.outputs import assert_same_model
+from tests.test_resume import JOB as RESUMABLE
+from tests.test_resume import _crash_once
 
 JOB = {"data__name": "digits", "model__name": "mlp", "run__workers": 2, "run__epochs": 4, "run__batch_size": 32,
        "run__eval_every": 0, "run__threads_per_worker": 1}  # fmt: skip
@@ -192,3 +196,28 @@ def test_a_streaming_run_evaluates_mid_run_the_model_it_would_report_if_it_stopp
     stopped = fast.train(None, out=str(tmp_path / "stopped"), **{**job, "run__max_steps": first["step"]})
     assert first["step"] % 8 not in (0, 4)  # between rounds: not what a plain θ would read
     assert stopped["evaluations"][-1]["test_loss"] == pytest.approx(first["test_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"strategy__name": "sparseloco", "strategy__period": 4},
+        {"strategy__name": "demo", "optimizer__lr": 0.001, "optimizer__momentum": 0.0},
+        {"strategy__name": "diloco", "strategy__period": 4, "strategy__eager": True},
+        {"strategy__name": "noloco", "strategy__period": 4},
+    ],
+    ids=["sparseloco", "demo", "diloco-eager", "noloco"],
+)
+def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_weights(tmp_path, monkeypatch, no_orphans,
+                                                                          strategy):  # fmt: skip
+    """Their state (error feedback, momenta, the mean in flight, φ) is in the checkpoint of step 15."""
+    job = {**RESUMABLE, **strategy}
+    whole = fast.train(None, out=str(tmp_path / "whole"), **job)
+    monkeypatch.setenv("CRASH_AT", "17")
+    monkeypatch.setenv("CRASH_RANK", "0")  # (noloco survives any other worker's death)
+    with pytest.raises(WorkerFailed, match="worker 0 exited with code 9"):
+        fast.train(None, out=str(tmp_path / "cut"), step_fn=_crash_once, **job)
+    monkeypatch.delenv("CRASH_AT")
+    resumed = fast.train(resume=str(tmp_path / "cut"))
+    assert_same_model(tmp_path / "whole", tmp_path / "cut")
+    assert resumed["bytes_sent"] == whole["bytes_sent"]
