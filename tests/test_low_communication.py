@@ -5,8 +5,6 @@ survives a killed worker."""
 from __future__ import annotations
 
 import math
-import os
-import signal
 
 import numpy as np
 import pytest
@@ -163,23 +161,15 @@ def test_eager_diloco_trains_and_sends_a_round_a_period_and_one_mean_of_theta(tm
     assert summary["bytes_sent"] == 2 * (summary["outer_rounds"] * per_round + eager * model)
 
 
-def _dies_at_step_20_on_worker_1(model, x, y):
-    _dies_at_step_20_on_worker_1.calls += 1
-    if os.environ["RANK"] == "1" and _dies_at_step_20_on_worker_1.calls == 20:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-_dies_at_step_20_on_worker_1.calls = 0
-
-
-def test_noloco_trains_with_a_message_to_one_partner_a_round_and_survives_a_killed_worker(tmp_path, no_orphans):
+def test_noloco_trains_with_a_message_to_one_partner_a_round_and_survives_a_killed_worker(tmp_path, monkeypatch,
+                                                                                           no_orphans):  # fmt: skip
     summary = fast.train(None, out=str(tmp_path / "whole"), strategy__name="noloco", strategy__period=16, **JOB)
     assert summary["final_test_accuracy"] > 0.9
     model = 4 * sum(math.prod(shape) for shape in SHAPES)
     assert summary["bytes_sent"] == 2 * summary["outer_rounds"] * (2 * model)  # φ and θ − φ
     job = {**JOB, "run__workers": 4, "run__deadline_s": 2.0}
-    summary = fast.train(None, out=str(tmp_path / "killed"), step_fn=_dies_at_step_20_on_worker_1,
+    monkeypatch.setenv("CRASH_AT", "20")  # worker 1 exits at its 20th step
+    summary = fast.train(None, out=str(tmp_path / "killed"), step_fn=_crash_once,
                          strategy__name="noloco", strategy__period=4, **job)  # fmt: skip
     assert [f["worker"] for f in summary["failures"]] == [1]
     assert summary["final_test_accuracy"] > 0.85
