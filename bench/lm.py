@@ -57,6 +57,7 @@ VARIANTS = {
         "optimizer__lr": 0.001,
         "optimizer__weight_decay": 0.0,
         "optimizer__momentum": 0.0,
+        "optimizer__clip_norm": None,  # (FAST clips the averaged gradient: demo's is a sign)
     },  # fmt: skip
     "diloco-eager": {**DILOCO, "strategy__eager": True},
     "noloco": {"strategy__name": "noloco", "strategy__period": PERIOD},

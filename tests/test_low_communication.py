@@ -14,6 +14,7 @@ import torch
 import fast
 from fast.codecs import ErrorFeedback
 from fast.codecs.chunked import ChunkTopK, DctTopK
+from fast.errors import ConfigError
 from fast.jobs.models import build_model
 from fast.runtime.launch import WorkerFailed
 from fast.strategies.diloco import eager_outer_gradient
@@ -211,3 +212,17 @@ def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_weights(tmp_pat
     resumed = fast.train(resume=str(tmp_path / "cut"))
     assert_same_model(tmp_path / "whole", tmp_path / "cut")
     assert resumed["bytes_sent"] == whole["bytes_sent"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"strategy__name": "demo", "optimizer__clip_norm": 1.0}, r"`optimizer.clip_norm` = 1 with demo"),
+        ({"strategy__name": "demo", "codec__name": "topk"}, r"`codec.name` = 'topk' does not work with strategy"),
+        ({"strategy__name": "diloco", "strategy__eager": True, "run__elastic": True}, r"`strategy.eager` with run"),
+        ({"strategy__name": "streaming-diloco", "strategy__eager": True}, r"`strategy.eager` with streaming-diloco"),
+    ],
+)
+def test_what_a_method_cannot_take_is_refused_in_one_line(options, message):
+    with pytest.raises(ConfigError, match=message):
+        fast.train(None, **{**JOB, **options})

@@ -47,6 +47,10 @@ class DeMo(Sync):
                               "leave it out")  # fmt: skip
         if options.hierarchical:
             raise ConfigError("`strategy.hierarchical` with demo: it gathers frames, not sums; set it to 0")
+        if config.optimizer.clip_norm is not None:
+            raise ConfigError(f"`optimizer.clip_norm` = {config.optimizer.clip_norm:g} with demo: FAST clips the "
+                              "averaged gradient, which for demo is a sign (every entry ±1), so clipping would shrink "
+                              "each step by the model's size; drop optimizer.clip_norm")  # fmt: skip
         if config.run.elastic:
             raise ConfigError("demo with run.elastic: its momenta are each worker's own and a joiner's would start "
                               "empty mid-run; set run.elastic = false")  # fmt: skip
