@@ -32,7 +32,7 @@ from torch import nn
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.strategies.flat import FlatState
-from fast.strategies.periodic import PeriodicAveraging, WarmupOptions
+from fast.strategies.periodic import PeriodicAveraging, WarmupOptions, once
 
 
 class DiLoCoOptions(WarmupOptions):
@@ -59,7 +59,7 @@ class DiLoCo(PeriodicAveraging):
         self.last_round_step = -1
         if self.eager:
             self.channel = self.comm.separate_group() if self.compressed is None else None
-            self.landing: Callable[[], torch.Tensor] | None = None  # the last round's mean, on its way
+            self.landing: Callable[[], torch.Tensor | None] | None = None  # the last round's mean, on its way
             self.mine_before = torch.zeros_like(self.theta)  # this worker's pseudo-gradient of the last round
 
     @classmethod
@@ -118,9 +118,13 @@ class DiLoCo(PeriodicAveraging):
             contributors: Callable[[], int] = pending.wait
         else:
             handle = self.channel.all_reduce(summed, async_op=True)
-            contributors = lambda: handle.wait() is not None and self.comm.size  # noqa: E731
+
+            def contributors() -> int:
+                handle.wait()
+                return self.comm.size
+
         before = self.landing() if self.landing is not None else torch.zeros_like(mine)
-        self.landing = lambda: summed.div_(max(1, contributors()))
+        self.landing = once(lambda: summed.div_(max(1, contributors())))
         gradient = eager_outer_gradient(before, mine, self.mine_before, self.comm.size)
         self.mine_before = mine
         return gradient
@@ -171,7 +175,6 @@ class DiLoCo(PeriodicAveraging):
             state["codec"] = self.compressed.state_dict()
         if self.eager:  # the mean on its way is waited for: a resumed run applies it at the next round
             mean = self.landing() if self.landing is not None else None
-            self.landing = (lambda: mean) if mean is not None else None
             state["eager"] = {"landing": mean, "mine_before": self.mine_before.clone()}
         return state
 

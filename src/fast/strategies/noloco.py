@@ -57,7 +57,6 @@ class NoLoCo(Strategy):
     replicas_differ = True
     survives_failures = True
     cost_options = frozenset({"period"})
-    catch_up_copies = 2.0
 
     @classmethod
     def cost(cls, n: float, workers: int, link: Link, compute_s: float, options: dict[str, Any]) -> StepCost:
@@ -88,6 +87,7 @@ class NoLoCo(Strategy):
 
     @torch.no_grad()
     def outer_step(self) -> None:
+        """Swap φ and θ − φ with this round's partner (if it has one, alive), step φ, restart θ from it."""
         me, ranks = self.comm.index(), self.comm.ranks
         moved = self.params.read().sub_(self.phi)
         partner = self.matchings.partner(me, self.rounds)

@@ -4,6 +4,7 @@ synchronous steps before the first local one (post-local SGD, Lin et al. 2020; D
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -121,3 +122,16 @@ def mean_of_counted(summed: torch.Tensor) -> torch.Tensor | None:
     """The mean of a sum `with_count` made, in place (a view without the count); None when nobody contributed."""
     count = float(summed[-1])
     return summed[:-1].div_(count) if count else None
+
+
+def once(compute: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:
+    """`compute`, run at the first call only: a round's mean in flight, which an evaluation or a checkpoint may
+    read before it lands."""
+    result: list[torch.Tensor | None] = []
+
+    def first_time() -> torch.Tensor | None:
+        if not result:
+            result.append(compute())
+        return result[0]
+
+    return first_time

@@ -28,7 +28,7 @@ from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import collective, count
 from fast.strategies.diloco import DiLoCoOptions
 from fast.strategies.flat import FlatState
-from fast.strategies.periodic import PeriodicAveraging, mean_of_counted, with_count
+from fast.strategies.periodic import PeriodicAveraging, mean_of_counted, once, with_count
 
 
 class StreamingDiLoCoOptions(DiLoCoOptions):
@@ -252,15 +252,3 @@ class StreamingDiLoCo(PeriodicAveraging):
 
     def summary(self) -> dict[str, Any]:
         return {"outer_rounds": self.rounds, "fragments": len(self.local), "final_model": "theta"}
-
-
-def once(compute: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:
-    """`compute`, run at the first call only: a round's mean, which an evaluation may read before it lands."""
-    result: list[torch.Tensor | None] = []
-
-    def first_time() -> torch.Tensor | None:
-        if not result:
-            result.append(compute())
-        return result[0]
-
-    return first_time
