@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from fast.codecs import Codec
+from fast.codecs import Codec, build_codec
 from fast.config import Config
 from fast.emulation.deployment import link_table, slowdown_of
 from fast.errors import ConfigError
@@ -122,8 +122,6 @@ def message_codec(config: Config) -> Codec | None:
     own = cls.own_codec(strategy_options(config)) if cls is not None else None
     if own is not None or config.codec.name == "none":
         return own
-    from fast.codecs import build_codec
-
     return build_codec(config.codec.name, **config.codec.options())
 
 

@@ -401,7 +401,8 @@ class Ending:
         config, run = self.config, self.config.run
         trainers = [p for p in everyone if not p["server"]]
         # what the members gone by the end trained on and sent counts too (a fixed world's: nobody is gone)
-        counted = everyone + (self._figures_of_departed(everyone) if self.elastic else [])
+        departed = self._figures_of_departed(everyone) if self.elastic else []
+        counted = everyone + departed
         evals = self.records.evals
         final = evals[-1] if evals else {}
         wall = max(p["time_s"] for p in trainers)
@@ -411,11 +412,11 @@ class Ending:
         spreads = [p["compute_spread"] for p in trainers if p.get("compute_spread") is not None]
         requests = [p["request_s"] for p in everyone if p.get("request_s") is not None]
         steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
-        # what the loop passed through the model (its first dimension), else steps x batch size
-        samples = sum(p.get("samples") or p["steps"] * self.batch_size for p in trainers)
-        samples += sum(p["samples"] for p in counted[len(everyone) :])
         if self.elastic and not self.detached:  # as the members reported them at each boundary (fast.runtime.live)
             samples = self.samples_trained + sum(p["samples"] - p["samples_reported"] for p in trainers)
+        else:  # what the loop passed through the model (its first dimension), else steps x batch size
+            samples = sum(p.get("samples") or p["steps"] * self.batch_size for p in trainers)
+            samples += sum(p["samples"] for p in departed)
         sent = sum(p["counter"]["bytes_sent"] for p in counted)
         uncompressed = sum(p["counter"]["bytes_sent_uncompressed"] for p in counted)
         staleness = [s for p in everyone for s in p["staleness"]]

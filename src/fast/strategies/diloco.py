@@ -21,6 +21,7 @@ evaluation during the run evaluates that mean (measurement traffic, not counted)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -76,10 +77,7 @@ class DiLoCo(PeriodicAveraging):
         return self.eager
 
     def outer_optimizer(self, theta: torch.Tensor) -> torch.optim.Optimizer:
-        """SGD with Nesterov momentum on θ."""
-        o = self.options
-        nesterov = o.outer_nesterov and o.outer_momentum > 0
-        return torch.optim.SGD([theta], lr=o.outer_lr, momentum=o.outer_momentum, nesterov=nesterov)
+        return outer_sgd([theta], self.options)
 
     def after_optimizer_step(self, step: int) -> None:
         self.last_step = step
@@ -133,11 +131,8 @@ class DiLoCo(PeriodicAveraging):
     def _agree(self, metered: bool) -> torch.Tensor:
         """The mean of the workers' θ (eager: each worker's differs by its own terms)."""
         theta = self.theta.clone()
-        if metered:
+        with contextlib.nullcontext() if metered else self.comm.unmetered():
             self.comm.all_reduce(theta, op="mean")
-        else:
-            with self.comm.unmetered():
-                self.comm.all_reduce(theta, op="mean")
         return theta
 
     def end_of_run(self) -> None:
@@ -202,3 +197,9 @@ def eager_outer_gradient(mean_before: torch.Tensor, mine: torch.Tensor, mine_bef
     """Eager's outer gradient: the last round's mean with this worker's own pseudo-gradient of then replaced by
     the one it has now, Δ̄⁽ᵗ⁻¹⁾ + (Δ⁽ᵗ⁾ − Δ⁽ᵗ⁻¹⁾) / M."""
     return mean_before + (mine - mine_before) / workers
+
+
+def outer_sgd(params: list[torch.Tensor], options: DiLoCoOptions) -> torch.optim.Optimizer:
+    """The outer optimizer of DiLoCo and Streaming DiLoCo: SGD with (Nesterov) momentum on the shared weights."""
+    nesterov = options.outer_nesterov and options.outer_momentum > 0
+    return torch.optim.SGD(params, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=nesterov)

@@ -26,7 +26,7 @@ from fast.config import Config
 from fast.errors import ConfigError
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import collective, count
-from fast.strategies.diloco import DiLoCoOptions
+from fast.strategies.diloco import DiLoCoOptions, outer_sgd
 from fast.strategies.flat import FlatState
 from fast.strategies.periodic import PeriodicAveraging, mean_of_counted, once, with_count
 
@@ -94,8 +94,7 @@ class StreamingDiLoCo(PeriodicAveraging):
         self.local = [FlatState(tensors[start:end]) for start, end in bounds]
         self.buffers = FlatState.of_buffers(model)
         self.thetas = [state.read().clone() for state in self.local]  # the shared weights of each fragment
-        self.outer = torch.optim.SGD(self.thetas, lr=o.outer_lr, momentum=o.outer_momentum,
-                                     nesterov=o.outer_nesterov and o.outer_momentum > 0)  # fmt: skip
+        self.outer = outer_sgd(self.thetas, o)
         self.in_flight: dict[int, tuple[int, Callable[[], torch.Tensor | None]]] = {}  # fragment -> (lands at, mean Δ)
         self.last_round = [-1] * o.fragments  # the step of each fragment's last round
         self.steps_taken = 0  # this replica's optimizer steps (steps without data, after its loop ended, are not)
@@ -193,8 +192,7 @@ class StreamingDiLoCo(PeriodicAveraging):
         if o.final_model != "average":
             return super().eval_model()
         thetas = [theta.clone() for theta in self.thetas]
-        outer = torch.optim.SGD(thetas, lr=o.outer_lr, momentum=o.outer_momentum,
-                                nesterov=o.outer_nesterov and o.outer_momentum > 0)  # fmt: skip
+        outer = outer_sgd(thetas, o)
         outer.load_state_dict(copy.deepcopy(self.outer.state_dict()))
         local = [state.read() for state in self.local]
 
