@@ -1,6 +1,7 @@
 """The low-communication frontier on the language model of examples/lm: 4 workers linked at 10 Mbit/s, 50 ms.
 
     .venv/bin/python bench/lm.py [--steps 600] [--seeds 3] [--variants sync diloco ...] [--sync-on-links]
+    .venv/bin/python bench/lm.py --curve 1 2 4 8 15 [--steps 600]
 
 Every variant is the user's own script (examples/lm/train.py, the loop API) started by `fast run`, with the same
 model (a byte-level transformer, [model] width 96), data, warm-up-then-cosine schedule and AdamW inner optimizer
@@ -14,6 +15,10 @@ Per variant: the validation perplexity at the end (mean and range over the seeds
 its MB, and the time to sync's final perplexity on the emulated link. Targets: a method with at least 1,000x
 fewer bytes than sync within 3% of its perplexity; sparseloco within 3% of diloco's perplexity with at least 20x
 fewer bytes than diloco at the same period. A report.html of the first seed's runs is written beside them.
+
+`--curve H...` draws the frontier instead: sync, then diloco and sparseloco at each period H, one seed, all without
+emulated links (a blocking method's updates and bytes do not depend on them; each one's time on the link is priced
+as sync's is), and prints bytes against the perplexity gap to sync.
 """
 
 from __future__ import annotations
@@ -80,6 +85,47 @@ def link_step_s(run: Path, compute_s: float) -> float:
     return predicted_step_time(config, model=model, compute_s=compute_s)
 
 
+def train(name: str, overrides: dict, steps: int, out: Path, seed: int = 0, links: bool = True) -> dict:
+    """One run of the user's script under `overrides` for `steps` steps: its summary."""
+    overrides = {**JOB, **(NETWORK if links else {}), **overrides, "run__max_steps": steps, "run__epochs": 100,
+                 "run__seed": seed}  # fmt: skip
+    print(f"== {name} seed {seed}: {steps} steps{'' if links else ' (no emulated links)'}", flush=True)
+    started = time.monotonic()
+    summary = fast.run(str(SCRIPT), workers=WORKERS, out=str(out / f"{name}-seed{seed}"), **overrides)
+    print(f"   {time.monotonic() - started:.0f} s", flush=True)
+    return summary
+
+
+def price_on_links(run: Path, summary: dict) -> float:
+    """Give a run trained without links its evaluations' times on the emulated link; its priced step."""
+    step_s = link_step_s(run, summary["step_compute_s"])
+    for e in summary["evaluations"]:
+        e["time_s"] = e["step"] * step_s
+    return step_s
+
+
+def curve(periods: list[int], steps: int, out: Path) -> int:
+    """sync, then diloco and sparseloco at each period: bytes against the perplexity gap, all without links."""
+    runs = {"sync": train("sync", VARIANTS["sync"], steps, out, links=False)}
+    for period in periods:
+        for method in ("diloco", "sparseloco"):
+            runs[f"{method}-H{period}"] = train(
+                f"{method}-H{period}", {**VARIANTS[method], "strategy__period": period}, steps, out, links=False
+            )
+    (out / "curve.json").write_text(json.dumps(runs, indent=1))
+    sync = runs["sync"]
+    print(f"\n{'run':<16} {'val ppl':>8} {'gap':>8} {'MB sent':>9} {'sync/x':>8} {'priced s':>9} {'t to sync ppl':>13}")
+    for name, summary in runs.items():
+        step_s = price_on_links(out / f"{name}-seed0", summary)
+        ppl, sent = summary["final_test_perplexity"], summary["bytes_sent"]
+        reached = first_step_at(summary, sync["final_test_perplexity"])
+        print(f"{name:<16} {ppl:>8.3f} {ppl / sync['final_test_perplexity'] - 1:>+8.1%} {sent / 1e6:>9.2f} "
+              f"{sync['bytes_sent'] / sent:>7.0f}x {steps * step_s:>9.0f} "
+              f"{f'{reached[1]:.0f} s' if reached else 'not reached':>13}")  # fmt: skip
+    write_report(out, [out / f"{name}-seed0" for name in runs], title="FAST: bytes against perplexity")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600, help="every variant's steps (the same tokens)")
@@ -87,29 +133,24 @@ def main() -> int:
     parser.add_argument("--out", default=f"runs/bench-lm-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--sync-on-links", action="store_true", help="sync on the emulated links too")
+    parser.add_argument("--curve", nargs="+", type=int, metavar="H", help="bytes against the gap over these periods")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.curve:
+        return curve(args.curve, args.steps, out)
     runs: dict[str, list[dict]] = {}
     for name in args.variants:
         reference = name == "sync"
         links = {} if reference and not args.sync_on_links else NETWORK
         for seed in range(1 if reference else args.seeds):
-            overrides = {**JOB, **links, **VARIANTS[name], "run__max_steps": args.steps, "run__epochs": 100,
-                         "run__seed": seed}  # fmt: skip
-            print(f"== {name} seed {seed}: {args.steps} steps{'' if links else ' (no emulated links)'}", flush=True)
-            started = time.monotonic()
-            summary = fast.run(str(SCRIPT), workers=WORKERS, out=str(out / f"{name}-seed{seed}"), **overrides)
-            print(f"   {time.monotonic() - started:.0f} s", flush=True)
-            runs.setdefault(name, []).append(summary)
+            runs.setdefault(name, []).append(train(name, VARIANTS[name], args.steps, out, seed, links=bool(links)))
     write_report(out, [out / f"{name}-seed0" for name in runs], title="FAST: the low-communication frontier")
     (out / "bench.json").write_text(json.dumps(runs, indent=1))
 
     sync = runs["sync"][0] if "sync" in runs else None
     sync_ppl = sync["final_test_perplexity"] if sync else None
     if sync is not None and not args.sync_on_links:  # its time on the link: its steps at the priced step
-        step_s = link_step_s(out / "sync-seed0", sync["step_compute_s"])
-        for e in sync["evaluations"]:
-            e["time_s"] = e["step"] * step_s
+        price_on_links(out / "sync-seed0", sync)
     print(f"\n{'variant':<17} {'seeds':>5} {'val ppl':>8} {'range':>15} {'vs sync':>8} {'MB sent':>9} {'sync/x':>8} "
           f"{'t to sync ppl':>13}")  # fmt: skip
     figures: dict[str, dict] = {}

@@ -226,3 +226,28 @@ def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_weights(tmp_pat
 def test_what_a_method_cannot_take_is_refused_in_one_line(options, message):
     with pytest.raises(ConfigError, match=message):
         fast.train(None, **{**JOB, **options})
+
+
+@pytest.mark.parametrize(
+    ("options", "exchanges"),
+    [
+        ({"strategy": {"name": "demo"}, "optimizer": {"clip_norm": None}}, 1.0),
+        ({"strategy": {"name": "sparseloco", "period": 4}}, 0.25),
+        ({"strategy": {"name": "sync"}, "codec": {"name": "topk"}}, 1.0),
+        ({"strategy": {"name": "sync"}, "codec": {"name": "fp16"}}, 0.0),  # summed on the way: no frames to decode
+        ({"strategy": {"name": "diloco", "period": 4}}, 0.0),
+    ],
+)
+def test_a_gathered_codecs_work_is_priced_once_per_exchange(options, exchanges):
+    from fast.assemble import load_config
+    from fast.pricing import codec_work_s, message_bytes, price
+
+    config = load_config({**options, "run": {"workers": 4}, "network": {"bandwidth": "20Mbit", "latency": "20ms"}})
+    model = build_model("lenet", (1, 28, 28), 10)
+    nbytes = message_bytes(config, model)
+    plain = price(config, nbytes, 0.05)
+    priced = price(config, nbytes, 0.05, codec_s=0.1)
+    assert priced.time_s - plain.time_s == pytest.approx(0.1 * exchanges)
+    assert priced.comm_s - plain.comm_s == pytest.approx(0.1 * exchanges)
+    assert priced.bytes_per_worker == plain.bytes_per_worker
+    assert (codec_work_s(config, model, repeats=1) > 0) == (exchanges > 0)

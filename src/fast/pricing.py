@@ -1,6 +1,8 @@
 """A job's step priced by its strategy's cost model (`Strategy.cost`) from its config: the link between workers
 ([network], or the loopback), the size of a model-sized message (the parameters, or the codec's frames), the
 compute of one step with the [compute] slowdowns and stragglers in expectation, and the strategy's options.
+A codec whose frames are all-gathered also costs CPU: encoding the worker's message and decoding the N−1 frames
+it receives, measured once on the model's shapes (`codec_work_s`) and paid on top of the step at each exchange.
 
 `predicted_step_time` is what a run's summary sets beside its measured step time; `fast predict` (fast.tools.
 predict) measures the compute and prints the table. `step_cost(name, ...)` prices a strategy by name.
@@ -9,10 +11,16 @@ predict) measures the compute and prints the table. `step_cost(name, ...)` price
 from __future__ import annotations
 
 import math
+import os
+import statistics
+import time
+from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
+from fast.assemble import world_size
 from fast.codecs import Codec, build_codec
 from fast.config import Config
 from fast.emulation.deployment import link_table, slowdown_of
@@ -170,18 +178,67 @@ def frames_are_gathered(config: Config) -> bool:
     return codec is not None and not codec.summable and not base_codec(codec).low_rank
 
 
-def price(config: Config, nbytes: float, compute_s: float) -> StepCost:
-    """The step of `config` for a message of `nbytes` and one step's `compute_s` (ConfigError when its
-    strategy has no cost model)."""
+def processes(config: Config) -> int:
+    """The run's processes: its workers, and its servers where the strategy has them."""
+    try:
+        return world_size(config)
+    except ConfigError:  # a strategy not (yet) registered: assume it has no servers
+        return config.run.workers
+
+
+def threads_per_worker(config: Config) -> int:
+    return config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // processes(config))
+
+
+def oversubscription(config: Config) -> float:
+    """How much slower each worker computes because the workers together want more threads than cores."""
+    return max(1.0, config.run.workers * threads_per_worker(config) / (os.cpu_count() or 1))
+
+
+def codec_work_s(config: Config, model: nn.Module, repeats: int = 3) -> float:
+    """Seconds of one worker's codec work in one exchange of a model-sized message whose frames are all-gathered:
+    encoding its own and decoding the N−1 it receives, timed on random tensors of the model's shapes with the run's
+    threads per worker, times the oversubscription of the cores. 0 when frames are not gathered (a cast costs next
+    to nothing; PowerSGD's matrix products are not priced)."""
+    if not frames_are_gathered(config):
+        return 0.0
+    codec = message_codec(config)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(p.shape, generator=generator) for p in model.parameters() if p.requires_grad]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_worker(config))
+    try:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            frames = [codec.encode(x, key=f"price.{i}") for i, x in enumerate(tensors)]
+            encoded = time.perf_counter()
+            for frame in frames:
+                codec.decode(frame)
+            decoded = time.perf_counter()
+            times.append(encoded - started + (config.run.workers - 1) * (decoded - encoded))
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times) * oversubscription(config)
+
+
+def price(config: Config, nbytes: float, compute_s: float, codec_s: float = 0.0) -> StepCost:
+    """The step of `config` for a message of `nbytes`, one step's `compute_s` and `codec_s` of codec work per
+    all-gathered exchange (`codec_work_s`) (ConfigError when its strategy has no cost model)."""
     cls = _strategy(config)
     if cls is None or not cls.priced:
         raise ConfigError(f"no cost model for strategy {config.strategy.name!r}")
     link, inner_link = links_between_workers(config)
-    return cls.cost(nbytes, config.run.workers, link, effective_compute_s(config, compute_s),
-                    cost_options(config, inner_link))  # fmt: skip
+    options = cost_options(config, inner_link)
+    cost = cls.cost(nbytes, config.run.workers, link, effective_compute_s(config, compute_s), options)
+    if codec_s <= 0 or not options.get("gathered") or config.run.workers < 2 or nbytes <= 0:
+        return cost
+    exchanges = cost.bytes_per_worker / ((config.run.workers - 1) * nbytes)  # an all-gather's bytes per worker
+    work = exchanges * codec_s
+    return replace(cost, time_s=cost.time_s + work, comm_s=cost.comm_s + work)
 
 
 def predicted_step_time(config: Config, *, model: nn.Module, compute_s: float) -> float:
     """Predicted seconds per step of `config` (ConfigError when its strategy has no cost model), when one step's
-    computation takes `compute_s` (e.g. as measured in the run itself)."""
-    return price(config, message_bytes(config, model), compute_s).time_s
+    computation takes `compute_s` (e.g. as measured in the run itself); the codec's work is measured here."""
+    return price(config, message_bytes(config, model), compute_s, codec_work_s(config, model)).time_s

@@ -9,7 +9,8 @@ Nothing is trained. The inputs of the strategy's cost model (fast.pricing) come 
 - the link: from `[network]`, the slowest link between workers (a ring or a gossip round waits for its
   slowest hop); with sites and a hierarchical all-reduce, the LAN inside sites and the WAN between them.
   Without `[network]`, `LOOPBACK`, or `SHARED_MEMORY` for a strategy that sums through it (`sync` on the CPU);
-- the message: the model's parameters as float32, or the size of the codec's frames when a codec is set;
+- the message: the model's parameters as float32, or the size of the codec's frames when a codec is set; a codec
+  whose frames are all-gathered adds its CPU work, timed here on the model's shapes (encode one, decode N−1);
 - an elastic run's catch-up (`run.elastic`): the state a joiner receives from a live peer, over that link, and
   with `[faults] churn` how many joiners an epoch brings (each catch-up holds up the members it heals with).
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import copy
 import io
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -39,12 +39,22 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fast.archive import PACKAGE_SUFFIX
-from fast.assemble import load_config, world_size
+from fast.assemble import load_config
 from fast.config import Config, _describe
 from fast.errors import ConfigError
 from fast.jobs.datasets import Dataset, load_dataset, partition
 from fast.perfmodel import Link, StepCost, compute_communication_ratio
-from fast.pricing import LOOPBACK, SHARED_MEMORY, has_cost_model, links_between_workers, message_bytes, price
+from fast.pricing import (
+    LOOPBACK,
+    SHARED_MEMORY,
+    codec_work_s,
+    has_cost_model,
+    links_between_workers,
+    message_bytes,
+    oversubscription,
+    price,
+    threads_per_worker,
+)
 from fast.tools.variants import variants
 from fast.units import format_bytes, format_seconds, parse_duration
 
@@ -96,22 +106,6 @@ class Prediction:
 
 
 # -- inputs -------------------------------------------------------------------------------------------------
-def _processes(config: Config) -> int:
-    try:
-        return world_size(config)
-    except ConfigError:  # a strategy not (yet) registered: assume it has no servers
-        return config.run.workers
-
-
-def threads_per_worker(config: Config) -> int:
-    return config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // _processes(config))
-
-
-def oversubscription(config: Config) -> float:
-    """How much slower each worker computes because the workers together want more threads than cores."""
-    return max(1.0, config.run.workers * threads_per_worker(config) / (os.cpu_count() or 1))
-
-
 def _dataset(config: Config) -> Dataset:
     return load_dataset(
         config.data.name,
@@ -196,7 +190,8 @@ def predict(
         compute_s = measure_compute_s(config, dataset, model, step_fn)
     catch_up = price_catch_up(config, model, dataset, link, step_fn) if run.elastic else None
     try:
-        return replace(base, cost=price(config, nbytes, compute_s), catch_up=catch_up)
+        cost = price(config, nbytes, compute_s, codec_work_s(config, model))
+        return replace(base, cost=cost, catch_up=catch_up)
     except ConfigError as e:
         return replace(base, problem=str(e))
 
