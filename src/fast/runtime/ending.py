@@ -131,7 +131,7 @@ class Ending:
             raise UsageError("job.finish() was already called")
         if self.model is None:
             raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
-        self._eval_fn = eval_fn or self._eval_fn
+        self._eval_fn = self._on_model(eval_fn) or self._eval_fn
         if self.simulated and self.is_main:
             from fast.emulation.wire import training_ends
 

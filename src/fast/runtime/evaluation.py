@@ -61,11 +61,15 @@ class Evaluating:
         """Named metrics of the run's reported model (`final_model`), computed by `eval_fn(model)` on worker 0 and
         recorded; returned on worker 0, and on every worker when the strategy evaluates collectively (under
         the asynchronous strategies the others go on at once and get {})."""
-        fn = eval_fn or self._eval_fn
+        fn = self._on_model(eval_fn) or self._eval_fn
         if fn is None:
             raise UsageError("job.evaluate() needs an eval function the first time: job.evaluate(fn), fn(model) -> {}")
         self._eval_fn = fn
         return self._evaluate(fn, final=False)
+
+    def _on_model(self, fn: Callable[[Any], Any] | None) -> Callable[[nn.Module], Any] | None:
+        """The user's function of the model as the job calls it, on a module: a JAX job's takes the pytree."""
+        return self.frontend.on_tree(fn) if fn is not None and self.frontend is not None else fn
 
     def model_for_eval(self) -> nn.Module:
         """The model the run reports now (collective for strategies whose replicas differ)."""

@@ -56,7 +56,7 @@ from fast.runtime.evaluation import Evaluating
 from fast.runtime.launch import name_process
 from fast.runtime.lifeline import LAUNCHER_VARIABLE
 from fast.runtime.live import Live
-from fast.runtime.loader import ShardedLoader
+from fast.runtime.loader import ShardedLoader, tensor_dataset
 from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
 from fast.runtime.steps import StepDriver
@@ -120,7 +120,7 @@ def init(
         if out is None:
             raise ConfigError("fast.init(resume=True) needs the run folder: give out=... or resume=FOLDER")
     resume_dir = os.environ.get("FAST_RESUME") or (str(out) if resume is True else resume)
-    if resume_dir and config is None and not os.environ.get("FAST_CONFIG"):
+    if resume_dir and not os.environ.get("FAST_CONFIG"):  # the run's own config, the script's and overrides in it
         config = Path(resume_dir) / "config.toml"
         if not config.is_file():
             raise ConfigError(f"resume {resume_dir}: no config.toml there; give the folder of an earlier run")
@@ -301,6 +301,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self._checkpoint_due = False
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.frontend: Any = None  # a JAX job's (fast.jax.JaxFrontEnd): its batches and its functions of the weights
         self.schedule: Any = None
         self.clock = Clock()
         self.trained_s = 0.0
@@ -373,7 +374,14 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     # -- the model and optimizer ----------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Hook the strategy into the user's model and optimizer (which are returned, the same objects): every
-        replica starts from worker 0's weights, and a resumed run from its checkpoint. Collective."""
+        replica starts from worker 0's weights, and a resumed run from its checkpoint. Collective.
+
+        A JAX job gives a pytree of parameters and an Optax optimizer instead, and gets back the starting weights
+        and an optimizer whose step(grads) is a training step (fast.jax)."""
+        if type(optimizer).__module__.startswith("optax") and not isinstance(model, nn.Module):
+            from fast.jax import prepare as prepare_jax  # (the PyTorch path never imports JAX)
+
+            return prepare_jax(self, model, optimizer)
         if self.model is not None:
             raise UsageError("job.prepare() was already called: a job trains one model with one optimizer")
         if not isinstance(model, nn.Module):
@@ -427,7 +435,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
 
     def validate_with(self, score: Callable[[nn.Module], float]) -> None:
         """The score of a replica for `final_model = "best"` (higher is better), e.g. validation accuracy."""
-        self.context.score = score
+        self.context.score = self._on_model(score)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside only accumulate gradients (gradient accumulation); the strategy communicates at
@@ -447,8 +455,10 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
 
     # -- data -------------------------------------------------------------------------------------------------------
     def loader(self, dataset: Any, batch_size: int | None = None, *, shuffle: bool = True, **options: Any) -> Any:
-        """This worker's shard of `dataset` (any map-style Dataset, or an IterableDataset), batch by batch on
-        the job's device; each pass is the next epoch. Options: labels= (dirichlet), num_workers=, collate_fn=."""
+        """This worker's shard of `dataset` (any map-style Dataset, an IterableDataset, or a tuple of equally long
+        arrays: tensors, NumPy's, JAX's), batch by batch on the job's device (a JAX job's as NumPy arrays); each pass
+        is the next epoch. Options: labels= (dirichlet), num_workers=, collate_fn=."""
+        dataset = tensor_dataset(dataset) if isinstance(dataset, tuple) else dataset
         return ShardedLoader(self, dataset, batch_size or self.config.run.batch_size, shuffle=shuffle, **options)
 
     def _loader_created(self, loader: ShardedLoader) -> None:

@@ -20,8 +20,9 @@ import itertools
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from fast.config import Config
 from fast.errors import ConfigError
@@ -60,6 +61,15 @@ def labels_of(dataset: Any, labels: Any = None) -> torch.Tensor:
     if found.dim() != 1 or len(found) != len(dataset):
         raise ConfigError(f"the labels for `data.partition` = 'dirichlet' must be one per sample ({len(dataset)})")
     return found
+
+
+def tensor_dataset(arrays: tuple[Any, ...]) -> TensorDataset:
+    """A tuple of equally long arrays (tensors, or anything NumPy reads: NumPy's, JAX's) as a TensorDataset."""
+    tensors = [a if isinstance(a, torch.Tensor) else torch.as_tensor(np.array(a)) for a in arrays]
+    if not tensors or any(t.dim() == 0 or len(t) != len(tensors[0]) for t in tensors):
+        lengths = ", ".join(str(len(t)) if t.dim() else "a scalar" for t in tensors) or "nothing"
+        raise ConfigError(f"job.loader: a tuple of arrays must hold equally long arrays (samples first), got {lengths}")
+    return TensorDataset(*tensors)
 
 
 def epoch_order(size: int, seed: int, epoch: int, rank: int) -> torch.Tensor:
@@ -153,6 +163,11 @@ class ShardedLoader:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
+        frontend = getattr(self.job, "frontend", None)  # a JAX job's: its arrays, and the step begins with the batch
+        for batch in self._batches():
+            yield frontend.batch(batch) if frontend is not None else batch
+
+    def _batches(self) -> Iterator[Any]:
         job = self.job
         if getattr(job, "detached", False):
             yield from self._queue()

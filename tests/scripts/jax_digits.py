@@ -1,0 +1,73 @@
+"""A JAX job for the tests: a perceptron in plain JAX and Optax on scikit-learn's 8x8 digits (FAST's `digits`).
+
+    fast run --workers 2 tests/scripts/jax_digits.py [--optimizer sgd|adam|scheduled] [--evaluate-every N]
+
+With CRASH_AT=k in the environment, rank CRASH_RANK (default 0) exits at its k-th step in its first life.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fast
+from fast.jobs.datasets import load_dataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "scheduled"])
+parser.add_argument("--evaluate-every", type=int, default=0, help="steps between mid-run evaluations; 0: none")
+args = parser.parse_args()
+
+job = fast.init({"data": {"name": "digits"}, "run": {"batch_size": 16}})
+data = load_dataset("digits", seed=job.config.run.seed)
+x_train, y_train = data.x_train.reshape(len(data.x_train), -1).numpy(), data.y_train.numpy()
+x_test, y_test = data.x_test.reshape(len(data.x_test), -1).numpy(), data.y_test.numpy()
+
+
+def init(key: jax.Array, sizes: tuple[int, ...] = (64, 32, 10)) -> dict[str, dict[str, jax.Array]]:
+    keys = jax.random.split(key, len(sizes) - 1)
+    return {f"layer{i}": {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
+            for i, (k, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))}  # fmt: skip
+
+
+def logits(params: dict[str, dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+    layers = [params[f"layer{i}"] for i in range(len(params))]
+    for layer in layers[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x @ layers[-1]["w"] + layers[-1]["b"]
+
+
+def loss_fn(params: dict[str, dict[str, jax.Array]], x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
+
+
+grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+
+
+def evaluate(params: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
+    predicted = logits(params, x_test).argmax(1)
+    return {"accuracy": float((predicted == y_test).mean()), "loss": float(loss_fn(params, x_test, y_test))}
+
+
+lr = job.config.optimizer.lr
+transformation = {
+    "sgd": lambda: optax.sgd(lr, momentum=0.9),
+    "adam": lambda: optax.adam(lr),
+    "scheduled": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=0.9),
+}[args.optimizer]()
+params, optimizer = job.prepare(init(jax.random.key(0)), transformation)
+for _ in job.epochs():
+    for x, y in job.loader((x_train, y_train)):
+        loss, grads = grad_fn(params, x, y)
+        params = optimizer.step(grads)
+        job.log(loss=loss)
+        if job.step == int(os.environ.get("CRASH_AT", "0")) and job.rank == int(os.environ.get("CRASH_RANK", "0")):
+            os._exit(9)
+        if args.evaluate_every and job.step % args.evaluate_every == 0 and not job.stopped:
+            job.evaluate(evaluate)
+job.finish(evaluate)
