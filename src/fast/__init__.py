@@ -144,13 +144,14 @@ def run(script: str, *args: str, workers: int | None = None, config: str | None 
     return run_script(script, list(args), workers=workers, config=config, out=out, **overrides)
 
 
-def compare(config: Any, out: str | None = None, **overrides: Any) -> Any:
+def compare(config: Any, out: str | None = None, *, script: str | None = None, script_args: Any = None,
+            **overrides: Any) -> Any:  # fmt: skip
     """Run every `[[variant]]` of a config (TOML path or dict) into `out`/<variant> and write report.html there;
     returns a `fast.tools.comparison.Comparison` (the report's path and how each variant ended). Overrides as in
-    `train`."""
+    `train`. With `script`, each variant runs your own script as `fast run` does, its keys the launcher's."""
     from fast.tools.comparison import compare as _compare
 
-    return _compare(config, out, **overrides)
+    return _compare(config, out, script=script, script_args=list(script_args or []), **overrides)
 
 
 def __getattr__(name: str) -> Any:

@@ -74,7 +74,10 @@ def cmd_topology(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from fast.tools.comparison import compare
 
-    return 1 if compare(args.config, out=args.out, **_overrides(args.set)).failed else 0
+    if args.args and not args.script:
+        raise ConfigError(f"fast compare: {' '.join(args.args)}: arguments for a script, but no --script SCRIPT given")
+    script = {"script": args.script, "script_args": args.args} if args.script else {}
+    return 1 if compare(args.config, out=args.out, **script, **_overrides(args.set)).failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -176,6 +179,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("config", help="TOML config: a base job plus [[variant]] tables overriding its keys")
     c.add_argument("--out", help="folder for the runs and report.html (default runs/<name>-compare-<time>)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key in all")
+    c.add_argument("--script", help="your own training script (which calls fast.init), run as `fast run` does")
+    c.add_argument("args", nargs="*", help="the script's own arguments, after -- (… --script S -- ARGS)")
     c.set_defaults(func=cmd_compare)
     pk = sub.add_parser("pack", help="export a job into one archive that trains without its source")
     pk.add_argument("config", help="TOML config of the job (its model and loss are exported)")
@@ -214,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # an import cut short can leave a library half set up (or swallow the interrupt): Ctrl-C waits for them
         with held_interrupts():
-            args = parser().parse_args(argv)
+            argv = sys.argv[1:] if argv is None else argv
+            tail = argv[argv.index("--") + 1 :] if argv[:1] == ["compare"] and "--" in argv else None
+            args = parser().parse_args(argv if tail is None else argv[: len(argv) - len(tail) - 1])
+            if tail is not None:  # `fast compare ... --script S -- ARGS`: the script's own arguments, as given
+                args.args = tail
             import fast.jobs.loop  # noqa: F401 - torch and the job's stack, which the commands use
         return args.func(args)
     except FastError as e:

@@ -4,6 +4,9 @@ Every variant starts from the same seed, hence the same initial weights and data
 own folder DIR/<variant> exactly as `fast train` writes it; a variant that fails is recorded (a summary.json
 with `status = "failed"` and the error) and the next one runs. report.html and summary.csv are rewritten
 after every variant, so an interruption keeps everything that finished.
+
+With a script (`fast compare --script train.py variants.toml`), each variant is the user's own loop run as `fast run`
+runs it: the file's keys, base and variant, are the launcher's `--set` on top of the script's own config.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -36,8 +40,8 @@ from fast.tools.report.html import configured_targets
 from fast.tools.report.runs import METRICS_FILE, SUMMARY_FILE, Run
 from fast.tools.report.series import ordered, recorded_targets
 from fast.tools.report.table import MISSING, table_columns
-from fast.tools.start import train
-from fast.tools.variants import variants
+from fast.tools.start import run_script, train
+from fast.tools.variants import dotted, variants
 
 REPORT_FILE = "report.html"
 SUMMARY_CSV = "summary.csv"
@@ -51,10 +55,12 @@ FILE_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 @dataclass(frozen=True)
 class Variant:
-    """One configuration to compare: its name (also its folder's) and its validated config."""
+    """One configuration to compare: its name (also its folder's), its validated config, and the keys the file
+    and the overrides set for it (dotted: what a script's run is given)."""
 
     name: str
     config: Config
+    keys: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class Comparison:
         return [o for o in self.outcomes if o.error is not None]
 
 
-def plan(source: str | Path | dict[str, Any], **overrides: Any) -> list[Variant]:
+def plan(source: str | Path | dict[str, Any], checks_data: bool = True, **overrides: Any) -> list[Variant]:
     """Every variant's validated config, in file order; the first problem raises ConfigError naming it.
 
     `overrides` (dotted keys, `__` for dots as in `fast.train`) apply to every variant, after its own keys.
@@ -100,7 +106,8 @@ def plan(source: str | Path | dict[str, Any], **overrides: Any) -> list[Variant]
             config = load_config(data, **overrides)
         except ConfigError as error:
             raise ConfigError(f"variant {name!r}: {error}") from None
-        planned.append(Variant(name, config))
+        keys = {**dotted(data), **{key.replace("__", "."): value for key, value in overrides.items()}}
+        planned.append(Variant(name, config, keys))
     seeds = {v.config.run.seed for v in planned}
     if len(seeds) > 1:
         by_seed = ", ".join(f"{v.name}={v.config.run.seed}" for v in planned)
@@ -108,7 +115,8 @@ def plan(source: str | Path | dict[str, Any], **overrides: Any) -> list[Variant]
             f"variants set different `run.seed` values ({by_seed}): set the seed once in the base job so "
             "that every variant starts from the same weights and data partition"
         )
-    _check_data(planned)
+    if checks_data:  # (a script's data is its own)
+        _check_data(planned)
     return planned
 
 
@@ -165,26 +173,32 @@ def compare(
     source: str | Path | dict[str, Any],
     out: str | Path | None = None,
     *,
+    script: str | Path | None = None,
+    script_args: list[str] | None = None,
     console: Console | None = None,
     **overrides: Any,
 ) -> Comparison:
     """Validate every variant, run them one after another into `out`/<variant>, and write the report.
 
-    `overrides` (`run__max_steps=20`, or dotted keys) apply to every variant, as `--set` does.
+    `overrides` (`run__max_steps=20`, or dotted keys) apply to every variant, as `--set` does. With `script` (and
+    its `script_args`), each variant is the user's own script run by `fast run`, the variant's keys its `--set`.
     Shows which variant runs (i of n) and each run's own progress; at the end prints the comparison table and,
     as the last line, the path of report.html. A Ctrl-C stops at once and keeps what finished.
     """
     console = console or _console()
     if isinstance(source, str | Path) and Path(source).is_file():
         add_search_path(str(Path(source).resolve().parent))  # the config's own modules ([model] factory, ...)
-    planned = plan(source, **overrides)
+    if script is not None and not Path(script).is_file():
+        raise ConfigError(f"fast compare --script {script}: no such file: give the path of a Python script")
+    planned = plan(source, checks_data=script is None, **overrides)
     out_dir = Path(out) if out is not None else default_out_dir(source)
+    runner = _script_runner(str(script), script_args or []) if script is not None else _train
     with claimed(out_dir):
-        return _compare(source, out_dir, planned, console, overrides)
+        return _compare(source, out_dir, planned, console, overrides, runner)
 
 
 def _compare(source: str | Path | dict[str, Any], out_dir: Path, planned: list[Variant], console: Console,
-             overrides: dict[str, Any]) -> Comparison:  # fmt: skip
+             overrides: dict[str, Any], runner: Callable[[Variant, Path], Any]) -> Comparison:  # fmt: skip
     _keep_config(source, overrides, out_dir / CONFIG_COPY)
     title = f"FAST comparison: {_base_name(source)}"
     outcomes: list[Outcome] = []
@@ -198,7 +212,7 @@ def _compare(source: str | Path | dict[str, Any], out_dir: Path, planned: list[V
                 console.rule(f"[bold]variant {i}/{len(planned)}: {variant.name}[/]{elapsed}")
                 console.print(describe(variant.config), highlight=False)
                 variant_started = time.monotonic()
-                outcome = _run_variant(variant, out_dir / variant.name, interrupt)
+                outcome = _run_variant(variant, out_dir / variant.name, interrupt, runner)
                 outcomes.append(outcome)
                 console.print(_verdict(outcome, time.monotonic() - variant_started), highlight=False)
                 report, rows = write_report(out_dir, [o.run_dir for o in outcomes], title=title)
@@ -229,10 +243,22 @@ def _keep_config(source: str | Path | dict[str, Any], overrides: dict[str, Any],
     path.write_text(text)
 
 
-def _run_variant(variant: Variant, run_dir: Path, interrupt: _RememberInterrupt) -> Outcome:
+def _train(variant: Variant, run_dir: Path) -> Any:
+    return train(variant.config, out=run_dir)
+
+
+def _script_runner(script: str, script_args: list[str]) -> Callable[[Variant, Path], Any]:
+    def run(variant: Variant, run_dir: Path) -> Any:
+        return run_script(script, script_args, out=run_dir, **variant.keys)
+
+    return run
+
+
+def _run_variant(variant: Variant, run_dir: Path, interrupt: _RememberInterrupt,
+                 runner: Callable[[Variant, Path], Any] = _train) -> Outcome:  # fmt: skip
     _clear_outputs(run_dir)
     try:
-        train(variant.config, out=run_dir)
+        runner(variant, run_dir)
     except Interrupted:  # Ctrl-C, SIGTERM or SIGHUP stops the comparison
         raise
     except Exception as error:  # any failure of one variant is recorded; the comparison goes on

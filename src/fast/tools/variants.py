@@ -33,7 +33,7 @@ def variants(path_or_dict: str | Path | dict[str, Any]) -> list[tuple[str, dict[
         name = table.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f'[[variant]] number {number} has no `name`: add name = "..." to it')
-        overrides = _dotted({key: value for key, value in table.items() if key != "name"})
+        overrides = dotted({key: value for key, value in table.items() if key != "name"})
         # A new strategy or codec name must come first: it clears the options the base gave the old one.
         ordered = sorted(overrides.items(), key=lambda item: not item[0].endswith(".name"))
         try:
@@ -44,13 +44,13 @@ def variants(path_or_dict: str | Path | dict[str, Any]) -> list[tuple[str, dict[
     return found
 
 
-def _dotted(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def dotted(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested tables as dotted keys: {"strategy": {"name": "ssp"}} -> {"strategy.name": "ssp"}."""
     flat: dict[str, Any] = {}
     for key, value in table.items():
-        dotted = f"{prefix}{key}"
+        name = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat |= _dotted(value, f"{dotted}.")
+            flat |= dotted(value, f"{name}.")
         else:
-            flat[dotted] = value
+            flat[name] = value
     return flat
