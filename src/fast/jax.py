@@ -63,10 +63,41 @@ def check_config(config: Config) -> None:
                           "own JAX step and give optimizer.step their mean; set run.accumulate = 1")  # fmt: skip
 
 
+def span(tensors: list[torch.Tensor | None]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """One 1-D tensor over the memory that contiguous tensors of one dtype lie in, and each one's offset in it
+    (a flat tensor's views, a bucket's gradients); None when they are not such tensors."""
+    first = tensors[0]
+    if first is None:
+        return None
+    storage = first.untyped_storage()
+    for t in tensors:
+        if (
+            t is None
+            or not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+        ):
+            return None
+    starts = [t.storage_offset() for t in tensors]
+    low, high = min(starts), max(start + t.numel() for start, t in zip(starts, tensors, strict=True))
+    base = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, low, (high - low,))
+    return base, tuple(start - low for start in starts)
+
+
+def to_jax(tensors: list[torch.Tensor]) -> tuple[Any, tuple[int, ...] | None]:
+    """The tensors for JAX without a copy (DLPack), to be read before they change: one array over their memory and
+    their offsets in it when they lie in one span (one crossing, however many), else one array each."""
+    spanned = span(tensors)
+    if spanned is None:
+        return [jax.dlpack.from_dlpack(t.detach()) for t in tensors], None
+    base, offsets = spanned
+    return jax.dlpack.from_dlpack(base.detach()), offsets
+
+
 class ParameterTree(nn.Module):
     """The leaves of a pytree of floating-point arrays as torch parameters named by their path in the tree
     ("layers/0/w"). Leaves of one dtype are views of one flat tensor, so that the weights cross to JAX and back as
-    one array (`weights`, `tree`) however many leaves the tree has."""
+    one array however many leaves the tree has (a strategy that moves them elsewhere, hogwild, makes it one each)."""
 
     def __init__(self, params: Any) -> None:
         super().__init__()
@@ -74,61 +105,55 @@ class ParameterTree(nn.Module):
         if not paths:
             raise UsageError("job.prepare: the pytree of parameters has no leaves")
         arrays = [np.asarray(leaf) for _, leaf in paths]
-        self.names = [jax.tree_util.keystr(path, simple=True, separator="/").replace(".", "_") or "param"
-                      for path, _ in paths]  # fmt: skip
-        for name, array in zip(self.names, arrays, strict=True):
+        names = [
+            jax.tree_util.keystr(path, simple=True, separator="/").replace(".", "_") or "param" for path, _ in paths
+        ]
+        for name, array in zip(names, arrays, strict=True):
             if not np.issubdtype(array.dtype, np.floating):
                 raise UsageError(f"job.prepare: parameter {name!r} is {array.dtype}: every leaf of the pytree must be "
                                  "a floating-point array (keep integer state outside the parameters)")  # fmt: skip
-        self.shapes = [array.shape for array in arrays]
-        self.sizes = [array.size for array in arrays]
-        one_dtype = len({array.dtype for array in arrays}) == 1
-        self.flat = torch.tensor(np.concatenate([a.reshape(-1) for a in arrays])) if one_dtype else None
-        offsets = np.cumsum([0, *self.sizes])
-        for i, (name, array) in enumerate(zip(self.names, arrays, strict=True)):
-            data = self.flat[offsets[i] : offsets[i + 1]].view(array.shape) if one_dtype else torch.tensor(array)
+        self._lay_out(names, [a.shape for a in arrays], [torch.tensor(a) for a in arrays])
+        self.split = jax.jit(self.unflatten, static_argnums=1)
+
+    def _lay_out(self, names: list[str], shapes: list[tuple[int, ...]], values: list[torch.Tensor]) -> None:
+        self.names, self.shapes = names, shapes
+        self.offsets = tuple(int(o) for o in np.cumsum([0, *(math.prod(shape) for shape in shapes)])[:-1])
+        one_dtype = len({v.dtype for v in values}) == 1
+        flat = torch.cat([v.reshape(-1) for v in values]) if one_dtype else None
+        for name, shape, value, offset in zip(names, shapes, values, self.offsets, strict=True):
+            data = flat[offset : offset + math.prod(shape)].view(shape) if flat is not None else value.clone()
             self.register_parameter(name, nn.Parameter(data))
-        self._split = jax.jit(self._unflatten)
 
     def leaves(self) -> list[nn.Parameter]:
         return [getattr(self, name) for name in self.names]
 
-    def is_flat(self) -> bool:
-        """Whether the parameters are still the flat tensor's views (a strategy may have moved them: hogwild)."""
-        if self.flat is None:
-            return False
-        start, size = self.flat.data_ptr(), self.flat.element_size()
-        offsets = np.cumsum([0, *self.sizes])
-        return all(p.data_ptr() == start + size * int(o) for p, o in zip(self.leaves(), offsets, strict=False))
+    def unflatten(self, arrays: Any, offsets: tuple[int, ...] | None) -> Any:
+        """The pytree of what `to_jax` made of tensors shaped as the leaves: one array cut at `offsets`, or a list."""
+        if offsets is not None:
+            arrays = [
+                arrays[o : o + math.prod(shape)].reshape(shape) for o, shape in zip(offsets, self.shapes, strict=True)
+            ]
+        return jax.tree_util.tree_unflatten(self.treedef, arrays)
 
-    def _unflatten(self, weights: Any) -> Any:
-        """The pytree of `weights`: the flat array cut into the leaves, or the list of leaves."""
-        if isinstance(weights, list):
-            return jax.tree_util.tree_unflatten(self.treedef, weights)
-        cuts = np.cumsum(self.sizes)[:-1].tolist()
-        leaves = [x.reshape(shape) for x, shape in zip(jnp.split(weights, cuts), self.shapes, strict=True)]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-    def weights(self) -> Any:
-        """Views of the weights for JAX (DLPack, no copy), to be read before they change: the flat array, or a list
-        of the leaves'."""
-        if self.is_flat():
-            return jax.dlpack.from_dlpack(self.flat.detach())
-        return [jax.dlpack.from_dlpack(p.detach()) for p in self.leaves()]
-
-    def write(self, weights: Any) -> None:
-        """Copy `weights` (as `weights()` gives them) into the parameters."""
-        if isinstance(weights, list):
-            for p, leaf in zip(self.leaves(), weights, strict=True):
-                p.detach().copy_(torch.from_dlpack(leaf))
-        else:
-            self.flat.copy_(torch.from_dlpack(weights))
+    def write(self, flat: jax.Array) -> None:
+        """Copy the weights laid end to end in `flat` into the parameters: one copy when they are still the flat
+        tensor's views."""
+        new = torch.from_dlpack(flat)
+        spanned = span(self.leaves())
+        if spanned is not None and spanned[1] == self.offsets and spanned[0].numel() == new.numel():
+            spanned[0].copy_(new)
+            return
+        for p, offset, shape in zip(self.leaves(), self.offsets, self.shapes, strict=True):
+            p.detach().copy_(new[offset : offset + math.prod(shape)].view(shape))
 
     def tree(self) -> Any:
-        """The weights as a pytree of new JAX arrays (copies)."""
-        if self.is_flat():
-            return self._split(jax.device_put(self.flat.detach().numpy().copy()))
-        return self._unflatten([jax.device_put(p.detach().numpy().copy()) for p in self.leaves()])
+        """The weights as a pytree of new JAX arrays (one copy of them all, cut in one jitted call)."""
+        spanned = span(self.leaves())
+        if spanned is not None and spanned[1] == self.offsets:
+            flat = spanned[0].detach().numpy().copy()
+        else:
+            flat = torch.cat([p.detach().reshape(-1) for p in self.leaves()]).numpy()
+        return self.split(jax.device_put(flat), self.offsets)
 
     def forward(self, *args: Any) -> Any:
         raise UsageError("a JAX job's model is its pytree: compute with your own JAX functions, not model(x)")
@@ -138,23 +163,19 @@ class ParameterTree(nn.Module):
         twin = ParameterTree.__new__(ParameterTree)
         memo[id(self)] = twin
         nn.Module.__init__(twin)
-        twin.treedef, twin.names, twin.shapes, twin.sizes = self.treedef, self.names, self.shapes, self.sizes
-        twin._split = self._split
-        twin.flat = self.flat.detach().clone() if self.flat is not None else None
-        offsets = np.cumsum([0, *self.sizes])
-        for i, (name, p) in enumerate(zip(self.names, self.leaves(), strict=True)):
-            data = twin.flat[offsets[i] : offsets[i + 1]].view(p.shape) if twin.flat is not None else p.detach().clone()
-            if twin.flat is not None and not self.is_flat():
-                data.copy_(p.detach())
-            twin.register_parameter(name, nn.Parameter(data, requires_grad=p.requires_grad))
+        twin.treedef, twin.split = self.treedef, self.split
+        twin._lay_out(self.names, self.shapes, [p.detach() for p in self.leaves()])
+        for mine, theirs in zip(twin.leaves(), self.leaves(), strict=True):
+            mine.requires_grad_(theirs.requires_grad)
         twin.train(self.training)
         return twin
 
 
 class OptaxOptimizer(torch.optim.Optimizer):
     """A torch optimizer over a ParameterTree whose step is the Optax update of `transformation` (the hooks FAST's
-    strategies put on a torch optimizer run around it). A parameter without a gradient (a skipped step: none has
-    one) leaves the state and the weights alone. Its state_dict holds the Optax state's leaves as tensors."""
+    strategies put on a torch optimizer run around it). A step where no parameter has a gradient (a skipped step)
+    leaves the state and the weights alone; a parameter without one gets zeros. Its state_dict holds the Optax
+    state's leaves as tensors."""
 
     def __init__(self, tree: ParameterTree, transformation: optax.GradientTransformation) -> None:
         self.tree, self.transformation = tree, transformation
@@ -162,14 +183,13 @@ class OptaxOptimizer(torch.optim.Optimizer):
         lr = self._injected_lr()
         super().__init__(tree.leaves(), {"lr": lr if lr is not None else math.nan})
 
-        def update(grads: Any, state: Any, weights: Any) -> tuple[Any, Any]:
-            params = tree._unflatten(weights)
-            updates, state = transformation.update(grads, state, params)
+        def update(grads: Any, state: Any, weights: Any, grad_offsets: Any, weight_offsets: Any) -> tuple[Any, Any]:
+            params = tree.unflatten(weights, weight_offsets)
+            updates, state = transformation.update(tree.unflatten(grads, grad_offsets), state, params)
             new = jax.tree_util.tree_leaves(optax.apply_updates(params, updates))
-            return (new if isinstance(weights, list) else jnp.concatenate([x.reshape(-1) for x in new])), state
+            return jnp.concatenate([x.reshape(-1) for x in new]), state
 
-        self._update = jax.jit(update)
-        self.handed: list[tuple[torch.Tensor, jax.Array]] = []  # (the .grad tensor, the JAX array it views)
+        self._update = jax.jit(update, static_argnums=(3, 4))
 
     def _hyperparameters(self) -> dict[str, Any] | None:
         hyper = getattr(self.state_tree, "hyperparams", None)
@@ -189,23 +209,16 @@ class OptaxOptimizer(torch.optim.Optimizer):
         params = self.tree.leaves()
         if all(p.grad is None for p in params):  # the step is skipped (non-finite gradients, say)
             return
-        handed = {id(t): array for t, array in self.handed if t.dtype == array.dtype}
-        grads = [self._gradient(p, handed) for p in params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         hyper = self._hyperparameters()
         if hyper is not None:
             hyper["learning_rate"] = jnp.asarray(self.param_groups[0]["lr"], jnp.asarray(hyper["learning_rate"]).dtype)
-        grads_tree = jax.tree_util.tree_unflatten(self.tree.treedef, grads)
-        new, self.state_tree = self._update(grads_tree, self.state_tree, self.tree.weights())
+        grads, grad_offsets = to_jax([p.grad for p in params])
+        weights, weight_offsets = to_jax(params)
+        new, self.state_tree = self._update(grads, self.state_tree, weights, grad_offsets, weight_offsets)
         self.tree.write(jax.block_until_ready(new))
-        self.handed = []
-
-    @staticmethod
-    def _gradient(p: torch.Tensor, handed: dict[int, jax.Array]) -> jax.Array:
-        """p's gradient for Optax: the JAX array handed over when .grad is still its view (what a strategy wrote in
-        place is in it), a view of a .grad a strategy replaced, or zeros."""
-        if p.grad is None:
-            return jnp.zeros(p.shape, np.dtype(str(p.dtype).removeprefix("torch.")))
-        return handed[id(p.grad)] if id(p.grad) in handed else jax.dlpack.from_dlpack(p.grad.detach())
 
     def state_dict(self) -> dict[str, Any]:
         leaves = jax.tree_util.tree_leaves(self.state_tree)
@@ -241,15 +254,12 @@ class JaxOptimizer:
         if treedef != self.tree.treedef:
             raise UsageError(f"optimizer.step: the gradients' tree {treedef} is not the parameters' "
                              f"{self.tree.treedef}: give the gradients of the parameters job.prepare took")  # fmt: skip
-        handed = []
         for p, leaf, name in zip(self.tree.leaves(), leaves, self.tree.names, strict=True):
             g = torch.from_dlpack(leaf)
             if g.shape != p.shape:
                 raise UsageError(f"optimizer.step: the gradient of {name!r} has shape {tuple(g.shape)} where the "
                                  f"parameter has {tuple(p.shape)}: give the gradients of the parameters")  # fmt: skip
-            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # (a copy then, read back through DLPack)
-            handed.append((p.grad, leaf))
-        self.optimizer.handed = handed
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self.tree.tree()

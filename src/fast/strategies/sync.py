@@ -91,7 +91,8 @@ class Bucket:
         if count >= NONFINITE:
             self.grads.fill_(math.nan)
             return False
-        self.grads.mul_(1 / count) if count > 0 else self.buffer.zero_()  # mul: half the time of div
+        if count != 1:  # (one contributor: the sum is the average)
+            self.grads.mul_(1 / count) if count > 0 else self.buffer.zero_()  # mul: half the time of div
         return True
 
     def write_back(self) -> None:
