@@ -91,7 +91,9 @@ ADAM = ("--optimizer", "adam")  # DiLoCo's inner optimizer (with SGD and momentu
     ],
 )
 def test_a_jax_job_trains_the_digits_under_each_family(tmp_path, no_orphans, strategy, workers, args):
-    summary = fast.run(str(SCRIPT), *args, workers=workers, out=str(tmp_path), **{**JOB, **strategy})
+    summary = fast.run(str(SCRIPT), *args, "--evaluate-every", "40", workers=workers, out=str(tmp_path),
+                       **{**JOB, **strategy})  # fmt: skip
+    assert [e["step"] for e in summary["evaluations"]][:2] == [40, 80]  # mid-run, on the pytree of the run's model
     assert summary["strategy"] == strategy["strategy__name"] and summary["workers"] == workers
     assert summary["final_test_accuracy"] > 0.9  # the same script under sync: 0.98; chance 0.1
     assert summary["samples"] == workers * summary["steps_per_worker"] * 16 or strategy["strategy__name"] == "async-ps"
