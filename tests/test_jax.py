@@ -72,7 +72,7 @@ def _combined_batch_reference(workers: int, steps: int, batch: int) -> dict[str,
 
 def test_sync_on_two_workers_equals_one_worker_with_the_combined_batch(tmp_path, no_orphans):
     workers, batch, steps = 2, 16, 12
-    fast.run(str(SCRIPT), workers=workers, out=str(tmp_path), **{**JOB, "run__max_steps": steps})
+    fast.run(str(SCRIPT), "--check-reported", workers=workers, out=str(tmp_path), **{**JOB, "run__max_steps": steps})
     weights = _weights(tmp_path)
     for key, value in _combined_batch_reference(workers, steps, batch).items():
         np.testing.assert_allclose(weights[key].numpy(), value, rtol=1e-4, atol=1e-5, err_msg=key)

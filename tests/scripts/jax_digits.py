@@ -21,6 +21,7 @@ from fast.jobs.datasets import load_dataset
 parser = argparse.ArgumentParser()
 parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "scheduled"])
 parser.add_argument("--evaluate-every", type=int, default=0, help="steps between mid-run evaluations; 0: none")
+parser.add_argument("--check-reported", action="store_true", help="job.model_for_eval() is the parameters' pytree")
 args = parser.parse_args()
 
 job = fast.init({"data": {"name": "digits"}, "run": {"batch_size": 16}})
@@ -70,4 +71,7 @@ for _ in job.epochs():
             os._exit(9)
         if args.evaluate_every and job.step % args.evaluate_every == 0 and not job.stopped:
             job.evaluate(evaluate)
+if args.check_reported:  # (collective where the replicas differ: every worker asks)
+    reported = job.model_for_eval()
+    assert jax.tree_util.tree_structure(reported) == jax.tree_util.tree_structure(params), reported
 job.finish(evaluate)

@@ -71,9 +71,10 @@ class Evaluating:
         """The user's function of the model as the job calls it, on a module: a JAX job's takes the pytree."""
         return self.frontend.on_tree(fn) if fn is not None and self.frontend is not None else fn
 
-    def model_for_eval(self) -> nn.Module:
-        """The model the run reports now (collective for strategies whose replicas differ)."""
-        return self.strategy.eval_model()
+    def model_for_eval(self) -> Any:
+        """The model the run reports now (collective for strategies whose replicas differ); a JAX job's pytree."""
+        model = self.strategy.eval_model()
+        return self.frontend.on_tree(lambda params: params)(model) if self.frontend is not None else model
 
     def _check_targets(self, metrics: dict[str, float]) -> None:
         if self._checked_targets:
