@@ -48,6 +48,7 @@ bench: setup data $(TEST_STAMP)  # about 2 hours on 2 cores; each script prints 
 	$(PY) bench/async_momentum.py
 	$(PY) bench/stragglers.py
 	$(PY) bench/codecs.py
+	$(PY) bench/jax_frontend.py
 	$(PY) bench/packed_program.py
 	$(PY) bench/fuzz_operators.py --minutes 10
 	$(PY) bench/peers.py  # needs root (network namespaces): says so and skips otherwise
