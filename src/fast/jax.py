@@ -44,11 +44,6 @@ from fast.config import Config
 from fast.errors import ConfigError, UsageError
 
 
-def is_optax(optimizer: Any) -> bool:
-    """Whether `optimizer` is an Optax GradientTransformation (what makes `job.prepare` a JAX job's)."""
-    return isinstance(optimizer, optax.GradientTransformation)
-
-
 def check_config(config: Config) -> None:
     """What a JAX job cannot take, refused in one line each."""
     run = config.run
@@ -239,8 +234,8 @@ class JaxOptimizer:
     """What `job.prepare(params, transformation)` returns beside the weights: `step(grads)` is one training step of
     the strategy around the Optax update, and returns the new weights."""
 
-    def __init__(self, job: Any, tree: ParameterTree, optimizer: OptaxOptimizer) -> None:
-        self.job, self.tree, self.optimizer = job, tree, optimizer
+    def __init__(self, tree: ParameterTree, optimizer: OptaxOptimizer) -> None:
+        self.tree, self.optimizer = tree, optimizer
 
     @property
     def state(self) -> Any:
@@ -278,7 +273,7 @@ def prepare(job: Any, params: Any, transformation: optax.GradientTransformation)
                           "a schedule and drop [schedule]")  # fmt: skip
     job.prepare(tree, optimizer)
     job.frontend = JaxFrontEnd(job)
-    return tree.tree(), JaxOptimizer(job, tree, optimizer)
+    return tree.tree(), JaxOptimizer(tree, optimizer)
 
 
 class JaxFrontEnd:
