@@ -15,8 +15,9 @@ With a `[codec]`, the pseudo-gradients are averaged through it (with its error f
 one outer step late, so that the outer step never waits for it. Worker m's outer step at round t takes
 Δ̄⁽ᵗ⁻¹⁾ + (Δ_m⁽ᵗ⁾ − Δ_m⁽ᵗ⁻¹⁾) / M: the mean that has just arrived, in which its own pseudo-gradient stands
 replaced by the one it has now (the others' are a round old). The workers' θ then differ by their own terms;
-at the end the last mean lands and the workers take the mean of their θ (one more all-reduce), and an
-evaluation during the run evaluates that mean (measurement traffic, not counted).
+at the end the last mean lands, each worker steps θ by the others' share of it (no outer step took that
+share) and the workers take the mean of their θ (one more all-reduce). An evaluation during the run
+evaluates the mean of the workers' θ (measurement traffic, not counted).
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ class DiLoCo(PeriodicAveraging):
             if self.compressed is not None or self.eager or self.round_owed(self.last_round_step):
                 self.outer_step()
         if self.eager and self.landing is not None:
-            self.landing()  # the last mean lands; what is left of its news is in the workers' θ, averaged now
+            last_mean = self.landing()
             self.landing = None
-            with torch.no_grad():
+            with torch.no_grad():  # the others' share of the last round, which no outer step took, then one θ
+                self.theta.sub_(eager_rest(last_mean, self.mine_before, self.comm.size), alpha=self.options.outer_lr)
                 self.theta.copy_(self._agree(metered=True))
                 self.params.write(self.theta)
             if self.compressed is not None:
@@ -197,6 +199,12 @@ def eager_outer_gradient(mean_before: torch.Tensor, mine: torch.Tensor, mine_bef
     """Eager's outer gradient: the last round's mean with this worker's own pseudo-gradient of then replaced by
     the one it has now, Δ̄⁽ᵗ⁻¹⁾ + (Δ⁽ᵗ⁾ − Δ⁽ᵗ⁻¹⁾) / M."""
     return mean_before + (mine - mine_before) / workers
+
+
+def eager_rest(last_mean: torch.Tensor, mine_last: torch.Tensor, workers: int) -> torch.Tensor:
+    """What of the last round's mean no eager outer step took: the others' pseudo-gradients, Δ̄⁽ᵀ⁾ − Δ_m⁽ᵀ⁾ / M.
+    With it, a worker's outer gradients sum to the blocking run's: every Δ counted once, at weight 1/M."""
+    return last_mean - mine_last / workers
 
 
 def outer_sgd(params: list[torch.Tensor], options: DiLoCoOptions) -> torch.optim.Optimizer:
