@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/lm.py [--steps 600] [--seeds 3] [--variants sync diloco ...] [--sync-on-links]
     .venv/bin/python bench/lm.py --curve 1 2 4 8 15 [--steps 600]
+    (--out DIR --resume: read the runs that finished in DIR before, run the rest)
 
 Every variant is the user's own script (examples/lm/train.py, the loop API) started by `fast run`, with the same
 model (a byte-level transformer, [model] width 96), data, warm-up-then-cosine schedule and AdamW inner optimizer
@@ -89,8 +90,14 @@ def link_step_s(run: Path, compute_s: float) -> float:
     return predicted_step_time(config, model=model, compute_s=compute_s)
 
 
-def train(name: str, overrides: dict, steps: int, out: Path, seed: int = 0, links: bool = True) -> dict:
-    """One run of the user's script under `overrides` for `steps` steps: its summary."""
+def train(name: str, overrides: dict, steps: int, out: Path, seed: int = 0, links: bool = True,
+          reuse: bool = False) -> dict:  # fmt: skip
+    """One run of the user's script under `overrides` for `steps` steps: its summary (with `reuse`, the summary of
+    a run that finished in `out` before)."""
+    finished = out / f"{name}-seed{seed}" / "summary.json"
+    if reuse and finished.exists():
+        print(f"== {name} seed {seed}: finished before, read from {finished}", flush=True)
+        return json.loads(finished.read_text())
     overrides = {**JOB, **(NETWORK if links else {}), **overrides, "run__max_steps": steps, "run__epochs": 100,
                  "run__seed": seed}  # fmt: skip
     print(f"== {name} seed {seed}: {steps} steps{'' if links else ' (no emulated links)'}", flush=True)
@@ -108,14 +115,13 @@ def price_on_links(run: Path, summary: dict) -> float:
     return step_s
 
 
-def curve(periods: list[int], steps: int, out: Path) -> int:
+def curve(periods: list[int], steps: int, out: Path, reuse: bool = False) -> int:
     """sync, then diloco and sparseloco at each period: bytes against the perplexity gap, all without links."""
-    runs = {"sync": train("sync", VARIANTS["sync"], steps, out, links=False)}
+    runs = {"sync": train("sync", VARIANTS["sync"], steps, out, links=False, reuse=reuse)}
     for period in periods:
         for method in ("diloco", "sparseloco"):
-            runs[f"{method}-H{period}"] = train(
-                f"{method}-H{period}", {**VARIANTS[method], "strategy__period": period}, steps, out, links=False
-            )
+            overrides = {**VARIANTS[method], "strategy__period": period}
+            runs[f"{method}-H{period}"] = train(f"{method}-H{period}", overrides, steps, out, links=False, reuse=reuse)
     (out / "curve.json").write_text(json.dumps(runs, indent=1))
     sync = runs["sync"]
     print(f"\n{'run':<16} {'val ppl':>8} {'gap':>8} {'MB sent':>9} {'sync/x':>8} {'priced s':>9} {'t to sync ppl':>13}")
@@ -138,16 +144,18 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--sync-on-links", action="store_true", help="sync on the emulated links too")
     parser.add_argument("--curve", nargs="+", type=int, metavar="H", help="bytes against the gap over these periods")
+    parser.add_argument("--resume", action="store_true", help="read the runs that finished in --out, run the rest")
     args = parser.parse_args()
     out = Path(args.out)
     if args.curve:
-        return curve(args.curve, args.steps, out)
+        return curve(args.curve, args.steps, out, reuse=args.resume)
     runs: dict[str, list[dict]] = {}
     for name in args.variants:
         reference = name == "sync"
         links = {} if reference and not args.sync_on_links else NETWORK
         for seed in range(1 if reference else args.seeds):
-            runs.setdefault(name, []).append(train(name, VARIANTS[name], args.steps, out, seed, links=bool(links)))
+            summary = train(name, VARIANTS[name], args.steps, out, seed, links=bool(links), reuse=args.resume)
+            runs.setdefault(name, []).append(summary)
     write_report(out, [out / f"{name}-seed0" for name in runs], title="FAST: the low-communication frontier")
     (out / "bench.json").write_text(json.dumps(runs, indent=1))
 
