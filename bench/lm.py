@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -98,6 +99,8 @@ def train(name: str, overrides: dict, steps: int, out: Path, seed: int = 0, link
     if reuse and finished.exists():
         print(f"== {name} seed {seed}: finished before, read from {finished}", flush=True)
         return json.loads(finished.read_text())
+    if reuse:
+        shutil.rmtree(finished.parent, ignore_errors=True)  # a run cut short: it starts again
     overrides = {**JOB, **(NETWORK if links else {}), **overrides, "run__max_steps": steps, "run__epochs": 100,
                  "run__seed": seed}  # fmt: skip
     print(f"== {name} seed {seed}: {steps} steps{'' if links else ' (no emulated links)'}", flush=True)
