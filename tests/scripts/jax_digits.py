@@ -11,9 +11,8 @@ import argparse
 import os
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
+from jax_perceptron import init, logits, loss_fn
 
 import fast
 from fast.jobs.datasets import load_dataset
@@ -28,23 +27,6 @@ job = fast.init({"data": {"name": "digits"}, "run": {"batch_size": 16}})
 data = load_dataset("digits", seed=job.config.run.seed)
 x_train, y_train = data.x_train.reshape(len(data.x_train), -1).numpy(), data.y_train.numpy()
 x_test, y_test = data.x_test.reshape(len(data.x_test), -1).numpy(), data.y_test.numpy()
-
-
-def init(key: jax.Array, sizes: tuple[int, ...] = (64, 32, 10)) -> dict[str, dict[str, jax.Array]]:
-    keys = jax.random.split(key, len(sizes) - 1)
-    return {f"layer{i}": {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
-            for i, (k, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))}  # fmt: skip
-
-
-def logits(params: dict[str, dict[str, jax.Array]], x: jax.Array) -> jax.Array:
-    layers = [params[f"layer{i}"] for i in range(len(params))]
-    for layer in layers[:-1]:
-        x = jnp.tanh(x @ layer["w"] + layer["b"])
-    return x @ layers[-1]["w"] + layers[-1]["b"]
-
-
-def loss_fn(params: dict[str, dict[str, jax.Array]], x: jax.Array, y: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
 
 
 grad_fn = jax.jit(jax.value_and_grad(loss_fn))
