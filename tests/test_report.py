@@ -307,3 +307,24 @@ def test_a_curve_of_one_point_shows_and_is_named(run_dirs: list[Path], tmp_path:
     html = build_report([*run_dirs, lone], tmp_path / "report.html").read_text()
     figure = html[html.index("<h3>Replica divergence vs wall time</h3>") :]
     assert "One point only: ssp." in figure[: figure.index("<h3>", 5)]
+
+
+def test_the_bytes_curve_ends_at_the_tables_total_with_the_servers_bytes(tmp_path: Path) -> None:
+    """The servers of async-ps keep no metric records, yet send about half of its bytes: the curve's last step adds
+    them at the end of the run, so that it ends where the table's MB sent is, and the caption says so."""
+    folder = write_run(tmp_path / "ps", "async-ps", "async-ps", speed=50, final_accuracy=0.8, bytes_per_step=1_000_000)
+    summary = json.loads((folder / "summary.json").read_text())
+    workers_total = summary["bytes_sent"]  # what the workers' records add up to: 400 MB
+    summary.update(bytes_sent=2 * workers_total, servers=1)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    times, totals = megabytes_sent_curve(load_run(folder))
+    assert totals[-2] == workers_total / 1e6 and totals[-1] == 2 * workers_total / 1e6
+    assert times[-1] == max(times[-2], summary["wall_time_s"])  # at the end of the run
+    steady = write_run(tmp_path / "sync", "sync", "sync", speed=20, final_accuracy=0.9, bytes_per_step=1_000_000)
+    assert megabytes_sent_curve(load_run(steady))[1][-1] == 400.0  # records that reach the total: no extra point
+    html = build_report([folder, steady], tmp_path / "report.html").read_text()
+    row = next(r for r in summary_rows([load_run(folder)]) if r["variant"] == "async-ps")
+    assert row["mb_sent"] == totals[-1]
+    figure = html[html.index("<h3>Cumulative MB sent vs wall time</h3>") :]
+    caption = figure[: figure.index("</figure>")]
+    assert "async-ps: 400.0 MB from its server)" in caption and "sync:" not in caption

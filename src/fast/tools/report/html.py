@@ -235,7 +235,7 @@ def _summary_section(rows: list[dict[str, Any]], all_variants: list[Variant]) ->
         f'<section id="summary"><h2>Summary</h2>{"".join(tables)}'
         '<p class="note">Accuracies are on the test set; times are wall-clock seconds from the common start; '
         "“not reached” means the run never got there. "
-        "MB = 10<sup>6</sup> bytes actually sent over the wire by all workers, headers included. "
+        "MB = 10<sup>6</sup> bytes actually sent over the wire by all workers (and servers), headers included. "
         "Replica divergence is the mean over workers of ‖w<sub>i</sub> − w̄‖ / ‖w̄‖ at the end. "
         "The predicted step time comes from the link and compute model. "
         "The shares split each worker's training time, the same way for every strategy: compute (forward, backward, "

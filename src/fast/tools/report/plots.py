@@ -78,6 +78,25 @@ class LinePlot:
     steps: bool = False
     log_scale_when_wide: bool = False
     counts: bool = False  # the y values are whole numbers (workers)
+    note: Callable[[list[Variant]], str] | None = None  # what the curves leave out or add, in words
+
+
+def _bytes_at_the_end_note(all_variants: list[Variant]) -> str:
+    """Which curves' last step adds bytes that no record showed over time (a server's, mostly), and how many."""
+    added = []
+    for v in all_variants:
+        missing = series.megabytes_not_in_records(v.run)
+        total = (v.run.summary.get("bytes_sent") or 0) / series.MEGABYTE
+        if missing > 0.01 * total:  # (the workers' few steps after their last record are not worth a word)
+            servers = v.run.summary.get("servers") or 0
+            whose = f"from its server{'s' if servers > 1 else ''}" if servers else "after the workers' last records"
+            added.append(f"{v.label}: {missing:,.1f} MB {whose}")
+    if not added:
+        return ""
+    return (
+        "Each curve ends at its run's total, the table's MB sent. Servers keep no records over time, so what they "
+        f"sent is the curve's last step, at the end of the run ({'; '.join(added)})."
+    )
 
 
 LINE_PLOTS = [
@@ -88,7 +107,7 @@ LINE_PLOTS = [
     LinePlot("Training loss vs wall time", series.loss_curve, "wall time (s)",
              "training loss (mean over workers)"),
     LinePlot("Cumulative MB sent vs wall time", series.megabytes_sent_curve, "wall time (s)",
-             "MB sent (all workers)", steps=True),
+             "MB sent (workers and servers)", steps=True, note=_bytes_at_the_end_note),
     LinePlot("Replica divergence vs wall time", series.divergence_curve, "wall time (s)",
              "divergence  ‖wᵢ − w̄‖ / ‖w̄‖", log_scale_when_wide=True),
 ]  # fmt: skip
@@ -151,7 +170,8 @@ def _line_figure(plot: LinePlot, all_variants: list[Variant]) -> ReportFigure:
             axes.yaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlim(left=0)
         lone = [v.label for v, xs, _ in drawn if len(xs) == 1]
-        note = " ".join(filter(None, [_missing_note(curves), f"One point only: {', '.join(lone)}." if lone else ""]))
+        notes = [_missing_note(curves), f"One point only: {', '.join(lone)}." if lone else ""]
+        note = " ".join(filter(None, [*notes, plot.note(all_variants) if plot.note else ""]))
         return ReportFigure(plot.title, _encode(figure, axes), note)
 
 

@@ -82,14 +82,35 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return smoothed
 
 
-def megabytes_sent_curve(run: Run) -> Curve:
-    """Megabytes sent so far by all workers against seconds: each worker's latest count, summed."""
+def _workers_megabytes_sent(run: Run) -> Curve:
+    """Megabytes sent so far by the workers against seconds, from their records: each one's latest count, summed."""
     latest: dict[int, float] = {}
     times, totals = [], []
     for record in sorted(_records_with(run, "bytes_sent", "time_s"), key=lambda r: r["time_s"]):
         latest[int(record.get("worker", 0))] = record["bytes_sent"]
         times.append(record["time_s"])
         totals.append(sum(latest.values()) / MEGABYTE)
+    return times, totals
+
+
+def megabytes_not_in_records(run: Run) -> float:
+    """Megabytes of the run's total (the summary's `bytes_sent`, the table's MB sent) that no record shows over
+    time: what its servers sent (they keep no records), and what the workers sent after their last record."""
+    times, totals = _workers_megabytes_sent(run)
+    total = _number(run.summary.get("bytes_sent"))
+    if not times or total is None:
+        return 0.0
+    return max(0.0, total / MEGABYTE - totals[-1])
+
+
+def megabytes_sent_curve(run: Run) -> Curve:
+    """Megabytes sent so far against seconds: the workers' records summed, then a last point at the end of the run
+    with the run's total, so that the curve ends at the table's MB sent (see `megabytes_not_in_records`)."""
+    times, totals = _workers_megabytes_sent(run)
+    if megabytes_not_in_records(run) > 0:
+        end = _number(run.summary.get("wall_time_s"))
+        times.append(max(times[-1], end) if end is not None else times[-1])
+        totals.append(run.summary["bytes_sent"] / MEGABYTE)
     return times, totals
 
 
