@@ -121,7 +121,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_reference(args: argparse.Namespace) -> int:
     from fast.tools.reference import markdown
 
-    print(markdown())
+    print(markdown(), end="")  # the configuration reference: `fast reference > docs/configuration.md`
     return 0
 
 
@@ -206,7 +206,9 @@ def parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="make an ed25519 key pair for signing packages: PREFIX.key, PREFIX.pub")
     keys.add_argument("prefix", help="e.g. keys/author")
     keys.set_defaults(func=cmd_keys)
-    ref = sub.add_parser("reference", help="print every strategy's and codec's keys and defaults (markdown)")
+    ref = sub.add_parser(
+        "reference", help="print the configuration reference (docs/configuration.md): every key, strategy and codec"
+    )
     ref.set_defaults(func=cmd_reference)
     r = sub.add_parser("report", help="rebuild report.html and summary.csv from the run folders in DIR")
     r.add_argument("dir", help="a folder `fast compare` wrote (its subfolders hold the runs)")
