@@ -24,29 +24,40 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fast.comm import ByteCounter, Comm, timing
 from fast.comm.lines import form_line
 from fast.runtime.ending import write_outputs
 from fast.runtime.live import fingerprint
-from fast.runtime.membership import FORM_S, POLL_S, PREFIX, SILENT_S, Member, RunEnded, connect, read_key
+from fast.runtime.membership import (
+    FORM_S,
+    POLL_S,
+    PREFIX,
+    SILENT_S,
+    SLOT_S,
+    Access,
+    Member,
+    RunEnded,
+    beat_time,
+    connect,
+    read_key,
+)
 
 QUEUE = "queue"  # the work queue: batches taken so far, over every epoch
 
 
-def _line_store(address: str, member: int, deadline_s: float) -> Any:
+def _line_store(access: Access, member: int, deadline_s: float) -> Any:
     """The store `member`'s line forms on: a connection of its own (a store's client is not shared between
     threads, and gloo may use it after the line has formed)."""
-    return dist.PrefixStore(PREFIX + f"line/{member}/", connect(address, deadline_s))
+    return connect(access, deadline_s).for_group(PREFIX + f"line/{member}/")
 
 
 class ServerLines:
     """A server's lines to the workers, formed in the order the workers announce them (every server in the same
     order, so that a line waits for no other), in a thread of its own while the server serves the others."""
 
-    def __init__(self, address: str, server: int, servers: int, device: torch.device, deadline_s: float) -> None:
-        self.address, self.store = address, connect(address, deadline_s)
+    def __init__(self, access: Access, server: int, servers: int, device: torch.device, deadline_s: float) -> None:
+        self.access, self.store = access, connect(access, deadline_s)
         self.server, self.servers, self.device, self.deadline_s = server, servers, device, deadline_s
         self.counter = ByteCounter()
         self.lines: dict[int, Comm] = {}
@@ -57,17 +68,20 @@ class ServerLines:
         timing.Thread(self._watch, "fast-lines").start()  # (its readers' threads see this process's timeline)
 
     def _watch(self) -> None:
-        formed = 0
+        formed, unwritten_since = 0, None
         while True:
             try:
                 announced = int(self.store.add(PREFIX + "lines", 0))
                 if formed < announced:
                     said = read_key(self.store, f"announced/{formed + 1}")
-                    if said is None:  # counted, not written yet
-                        time.sleep(POLL_S)
-                        continue
-                    formed += 1
-                    self._form(int(said))
+                    if said is None:  # counted, not written yet; skipped if its worker died between the two
+                        unwritten_since = unwritten_since or time.monotonic()
+                        if time.monotonic() - unwritten_since < SLOT_S:
+                            time.sleep(POLL_S)
+                            continue
+                    formed, unwritten_since = formed + 1, None
+                    if said is not None and said.isdigit() and len(said) < 10:
+                        self._form(int(said))
                 elif read_key(self.store, "ending") is not None or read_key(self.store, "ended") is not None:
                     with self._changed:
                         self._closed = True
@@ -75,7 +89,7 @@ class ServerLines:
                     return
                 else:
                     time.sleep(POLL_S * 5)
-            except (RuntimeError, ValueError):  # the store is gone with the run
+            except RuntimeError:  # the store is gone with the run
                 with self._changed:
                     self._closed = True
                     self._changed.notify_all()
@@ -83,7 +97,7 @@ class ServerLines:
 
     def _form(self, member: int) -> None:
         try:
-            comm = form_line(_line_store(self.address, member, self.deadline_s), f"line{member}", 1 + self.server,
+            comm = form_line(_line_store(self.access, member, self.deadline_s), f"line{member}", 1 + self.server,
                              1 + self.servers, self.device, FORM_S, self.counter)  # fmt: skip
         except RuntimeError:  # the worker went before its line formed
             with self._changed:
@@ -124,28 +138,28 @@ class Detached:
     def _start_detached(self) -> None:
         """A server: its lines, worker 0's first. A worker: its member (a joiner waits to be in a generation), then
         its line to the servers."""
-        address, deadline_s = os.environ["FAST_MEMBERSHIP"], self.config.run.deadline_s
+        access, deadline_s = Access.from_environment(), self.config.run.deadline_s
         servers = self.world_size - self.workers
         self.membership: list[dict[str, Any]] = []
         self.data_epoch, self.data_cursor, self._claimed = 0, 0, None
         if self.is_server:
-            self.server_lines = ServerLines(address, self.rank - self.workers, servers, self.device, deadline_s)
+            self.server_lines = ServerLines(access, self.rank - self.workers, servers, self.device, deadline_s)
             self.world = self.comm = self.server_lines.line(0)
             return
-        self.member = Member(address, self.rank, deadline_s)
+        self.member = Member(access, self.rank, deadline_s)
         self.member.report(self._reported_figures)
         self.joining = os.environ.get("FAST_JOINING") == "1"
         self.generation = self.member.generation(0)
         if self.joining:
             self.member.ready()
             self.generation = self.member.wait_for(-1, including=self.rank)
-        store = connect(address, deadline_s)
+        store = connect(access, deadline_s)
         if read_key(store, "ending") is not None:
             raise RunEnded("the run ended before this worker could take part")
         number = int(store.add(PREFIX + "lines", 1))
         store.set(PREFIX + f"announced/{number}", str(self.rank))
         try:
-            self.world = self.comm = form_line(_line_store(address, self.rank, deadline_s), f"line{self.rank}", 0,
+            self.world = self.comm = form_line(_line_store(access, self.rank, deadline_s), f"line{self.rank}", 0,
                                                1 + servers, self.device, deadline_s, ByteCounter())  # fmt: skip
         except RuntimeError as e:
             raise RunEnded(f"the servers did not form this worker's line: {str(e).splitlines()[0]}") from None
@@ -222,7 +236,7 @@ class Detached:
             while (figures := read_key(store, f"end/{member}")) is None:
                 beat = read_key(store, f"heartbeat/{member}")
                 left = read_key(store, f"leave/{member}") is not None
-                if left or beat is None or time.time() - float(beat) > SILENT_S:
+                if left or beat is None or time.time() - beat_time(beat, time.time()) > SILENT_S:
                     break  # gone: its figures with it
                 time.sleep(POLL_S)
             if figures is not None:

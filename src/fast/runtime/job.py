@@ -57,6 +57,7 @@ from fast.runtime.launch import name_process
 from fast.runtime.lifeline import LAUNCHER_VARIABLE
 from fast.runtime.live import Live
 from fast.runtime.loader import ShardedLoader, tensor_dataset
+from fast.runtime.membership import ADDRESS_VARIABLE
 from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
 from fast.runtime.steps import StepDriver
@@ -203,7 +204,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         # live membership: the rank is the member's id for the run's life, its place in a group changes
         self.elastic = run.elastic
         self.detached = self.elastic and strategy_for(config).joins_alone  # (fast.runtime.detached)
-        if self.elastic and not self.simulated and "FAST_MEMBERSHIP" not in os.environ:
+        if self.elastic and not self.simulated and ADDRESS_VARIABLE not in os.environ:
             raise ConfigError("run.elastic: start the run with `fast train` or `fast run`, whose launcher keeps its "
                               "membership (not torchrun, nor the script alone)")  # fmt: skip
         if self.elastic:

@@ -30,7 +30,7 @@ from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
 from fast.runtime.control import Control
-from fast.runtime.membership import FORM_S, Generation, Member, RunEnded
+from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded
 from fast.runtime.simulated_membership import simulated_member
 
 
@@ -65,7 +65,7 @@ class Live:
             self.member = simulated_member(self.rank, deadline_s)
             self.joining = self.member.joining
         else:
-            self.member = Member(os.environ["FAST_MEMBERSHIP"], self.rank, deadline_s)
+            self.member = Member(Access.from_environment(), self.rank, deadline_s)
             self.joining = os.environ.get("FAST_JOINING") == "1"
         self.generation: Generation | None = None
         self.membership: list[dict[str, Any]] = []  # member 0's record of each change (summary.json)

@@ -8,26 +8,26 @@ a member dies (its process exits, or its heartbeats stop), leaves (SIGTERM: it s
 suspected by a peer whose collective with it failed, or when a joiner is admitted. The members switch at the
 points their strategy can take a change (fast.runtime.live), all at the same step.
 
-Who may join or stop the run (the one place this rule lives): a joiner, or `fast stop`, proves it holds the run's
-secret (`membership.secret`, written 0600 in the run folder; a remote joiner is given it as a file) by an HMAC of
-its request, never the secret itself; a joiner's config must also equal the run's but for the keys each process
-may set for itself (`PER_PROCESS_KEYS`). The store itself trusts whoever reaches its port, as torchrun's does: keep
-`run.master_addr` on loopback or a private network.
+Who may reach the run's store, and so join it, stop it or change anything in it, is the rule of
+fast.runtime.run_store: holders of the run's secret (`membership.secret`, written 0600 in the run folder; the
+founders read it there, a remote joiner is given it as a file), proved on every connection. A joiner's config must
+also equal the run's but for the keys each process may set for itself (`PER_PROCESS_KEYS`). What a holder of the
+secret writes is still read with care: a malformed request, heartbeat or note is one refused value, logged in one
+line, and the coordinator goes on.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import contextlib
 import json
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,19 @@ from fast.comm.comm import Comm
 from fast.config import Config
 from fast.errors import ConfigError, FastError
 from fast.runtime import files
+from fast.runtime.run_store import Refused as StoreRefused
+from fast.runtime.run_store import RunStore, RunStoreServer
 
 SECRET_FILE = "membership.secret"
 ADDRESS_FILE = "membership.json"
+ADDRESS_VARIABLE = "FAST_MEMBERSHIP"  # a member's way to the store: HOST:PORT
+SECRET_VARIABLE = "FAST_MEMBERSHIP_SECRET_FILE"  # and the file that holds the run's secret (never the secret itself)
 HEARTBEAT_S = 0.5  # how often a member says it is alive
 SILENT_S = 10.0  # a member silent this long is dropped (a local process's exit is seen at once)
 POLL_S = 0.02
 FORM_S = 10.0  # the longest a member waits for another to form a generation's group
 PREFIX = "fast/membership/"
+SLOT_S = 10.0  # a request counted but not written this long is skipped (its writer died between the two)
 # config keys a joiner may hold differently from the run: where its own outputs go and how it runs locally
 PER_PROCESS_KEYS = ("run.threads_per_worker", "run.device", "run.tensorboard", "run.trace", "run.master_port")
 
@@ -87,13 +92,53 @@ def why_it_ends(members: list[int], min_workers: int) -> str | None:
     return None
 
 
-def _store(host: str, port: int, *, hosting: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
-    """A connection to the run's store whose waits give up after `timeout_s`; connecting gives up sooner (a store
-    that is gone refuses at once, and c10d would retry for the whole timeout)."""
-    store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False,
-                          timeout=timedelta(seconds=min(timeout_s, FORM_S)), use_libuv=True)  # fmt: skip
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return store
+@dataclass(frozen=True)
+class Access:
+    """How a process reaches the run's store: its address and the run's secret."""
+
+    host: str
+    port: int
+    secret: bytes = field(repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, address: str, secret: bytes) -> Access:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"the run's membership address {address!r} is not HOST:PORT: give it as in the run's "
+                              f"{ADDRESS_FILE}")  # fmt: skip
+        return cls(host, int(port), secret)
+
+    @classmethod
+    def from_environment(cls) -> Access:
+        """A member's access, from what its launcher set: the address, and the file that holds the secret."""
+        return cls.parse(os.environ[ADDRESS_VARIABLE], read_secret("a member", Path(os.environ[SECRET_VARIABLE])))
+
+    def environment(self, secret_file: Path) -> dict[str, str]:
+        """What a member's process needs to find the run's store (`secret_file` holds this access's secret)."""
+        return {ADDRESS_VARIABLE: self.address, SECRET_VARIABLE: str(secret_file)}
+
+
+def read_secret(command: str, path: Path) -> bytes:
+    """The run's secret from `path` (a run's SECRET_FILE); ConfigError naming the fix when it is not one."""
+    try:
+        secret = bytes.fromhex(path.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{command}: cannot read the run's secret from {path} ({e}): give the run's "
+                          f"{SECRET_FILE}") from None  # fmt: skip
+    if len(secret) < 16:
+        raise ConfigError(f"{command}: {path} holds {len(secret)} bytes, not a run's secret: give the run's "
+                          f"{SECRET_FILE}")  # fmt: skip
+    return secret
+
+
+def connect(access: Access, timeout_s: float) -> RunStore:
+    """A connection of its own to the run's store whose waits give up after `timeout_s`; connecting gives up sooner
+    (FORM_S: a store that is gone refuses at once)."""
+    return RunStore(access.host, access.port, access.secret, timeout_s, connect_s=FORM_S)
 
 
 def read_key(store: Any, key: str) -> bytes | None:
@@ -103,11 +148,6 @@ def read_key(store: Any, key: str) -> bytes | None:
 def _closed(store: Any) -> bool:
     """Whether the run takes no more changes but departures (closed to joiners, or ending)."""
     return read_key(store, "closed") is not None or read_key(store, "ending") is not None
-
-
-def _proof(secret: bytes, challenge: str, request: int | str, config_text: str) -> str:
-    message = f"{challenge}/{request}/".encode() + hashlib.sha256(config_text.encode()).digest()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 def config_difference(run: Config, joiner: Config) -> str | None:
@@ -123,34 +163,35 @@ def config_difference(run: Config, joiner: Config) -> str | None:
 
 
 class Coordinator:
-    """The run's membership, kept by its launcher: hosts the store, admits joiners, publishes generations."""
+    """The run's membership, kept by its launcher: serves the store, admits joiners, publishes generations."""
 
     def __init__(self, run_dir: Path, config: Config, addr: str, founders: int,
                  first_joiner: int | None = None) -> None:  # fmt: skip
         self.run_dir, self.config = run_dir, config
-        self.store = _store(addr, config.run.master_port if config.run.master_port else 0, hosting=True)
-        self.address = (addr, self.store.port)
-        self.secret = secrets.token_bytes(32)
-        self.challenge = secrets.token_hex(16)
-        files.write_text(run_dir / SECRET_FILE, self.secret.hex(), private=True)
-        files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.store.port}))
+        secret = secrets.token_bytes(32)
+        self.server = RunStoreServer(addr, config.run.master_port or 0, secret)
+        self.access = Access(addr, self.server.port, secret)
+        self.secret_file = run_dir / SECRET_FILE
+        files.write_text(self.secret_file, secret.hex(), private=True)
+        files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.server.port}))
+        self.store = connect(self.access, 30.0)
         self.members = list(range(founders))
         self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
         self.next_id = founders if first_joiner is None else first_joiner  # (the ids between: the servers)
         self.generation = Generation(0, list(self.members), unix_time=time.time())
         self._exited: dict[int, str] = {}
-        self._seen_requests = self._seen_stops = 0
+        self._seen_requests = 0
+        self._unwritten_since: float | None = None  # when the next request was counted and found unwritten
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._started = False
-        self.store.set(PREFIX + "challenge", self.challenge)
         self._publish(self.generation)
         self._thread = threading.Thread(target=self._watch, name="fast-membership", daemon=True)
         self._thread.start()
 
     def environment(self) -> dict[str, str]:
         """What a founder's process needs to find the membership."""
-        return {"FAST_MEMBERSHIP": f"{self.address[0]}:{self.address[1]}"}
+        return self.access.environment(self.secret_file)
 
     def started(self) -> bool:
         """Whether a generation's group has formed yet, or worker 0 says it has started (training has started)."""
@@ -164,7 +205,7 @@ class Coordinator:
         how = "killed" if exit_code is not None and exit_code < 0 else f"exited with code {exit_code}"
         with self._lock:
             self._exited[member] = how
-        return read_key(self.store, PREFIX + f"evict/{member}") is not None
+        return read_key(self.store, f"evict/{member}") is not None
 
     def evict(self, member: int, how: str) -> None:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
@@ -174,8 +215,11 @@ class Coordinator:
 
     def close(self) -> None:
         self._closing.set()
-        self.store.set(PREFIX + "ended", "1")
+        with contextlib.suppress(RuntimeError):
+            self.store.set(PREFIX + "ended", "1")
         self._thread.join(timeout=5)
+        self.store.close()
+        self.server.close()
         for name in (SECRET_FILE, ADDRESS_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
 
@@ -185,16 +229,19 @@ class Coordinator:
         self.generation = generation
 
     def _watch(self) -> None:
+        told: set[str] = set()
         while not self._closing.wait(POLL_S * 5):
             try:
                 self._round()
-            except Exception:  # the store went away with the run
-                if self._closing.is_set():
-                    return
-                raise
+            except dist.DistNetworkError:  # the store went away with the run
+                return
+            except Exception as e:  # a value no member should have written: said once, and the membership goes on
+                line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if line not in told:
+                    told.add(line)
+                    print(f"fast: the membership skipped a malformed value ({line})", file=sys.stderr, flush=True)
 
     def _round(self) -> None:
-        self._stops()
         if read_key(self.store, "ending") is not None:
             return
         closed = read_key(self.store, "closed") is not None  # nobody comes in any more; departures still count
@@ -206,7 +253,7 @@ class Coordinator:
         gave_up = [m for m in self.pending if read_key(self.store, f"leave/{m}") is not None]
         self.pending = [m for m in self.pending if m not in joined and m not in gave_up]
         # a member whose collective failed in the newest generation, with no departure to explain it: form it again
-        suspected = int(self.store.add(PREFIX + f"suspicions/{self.generation.number}", 0)) > 0
+        suspected = _count(self.store, f"suspicions/{self.generation.number}") > 0
         if not (left or joined or suspected):
             return
         gone = {entry["member"] for entry in left}
@@ -221,30 +268,32 @@ class Coordinator:
             exited = dict(self._exited)
         for member in self.members:
             said = read_key(self.store, f"leave/{member}")
-            beat = read_key(self.store, f"heartbeat/{member}")
+            silent_s = now - beat_time(read_key(self.store, f"heartbeat/{member}"), now)
             if said is not None:
-                left.append({"member": member, "how": said.decode()})
+                left.append({"member": member, "how": said.decode(errors="replace")[:200]})
             elif member in exited:
                 left.append({"member": member, "how": exited[member]})
-            elif beat is not None and now - float(beat) > SILENT_S:
-                left.append({"member": member, "how": f"silent for {now - float(beat):.0f}s"})
+            elif silent_s > SILENT_S:
+                left.append({"member": member, "how": f"silent for {silent_s:.0f}s"})
         return left
 
     def _admissions(self) -> list[int]:
-        """Answer each new join request: a member id, or why not."""
+        """Answer each new join request: a member id, or why not. A request counted but left unwritten past SLOT_S
+        (its writer died between the two) is skipped."""
         admitted = []
-        requests = int(self.store.add(PREFIX + "requests", 0))
+        requests = _count(self.store, "requests")
         while self._seen_requests < requests:
             number = self._seen_requests + 1
             written = read_key(self.store, f"request/{number}")
-            if written is None:  # counted, not written yet: the next round
-                break
+            if written is None:
+                self._unwritten_since = self._unwritten_since or time.monotonic()
+                if time.monotonic() - self._unwritten_since < SLOT_S:
+                    break  # counted, not written yet: the next round
+            self._unwritten_since = None
             self._seen_requests = number
-            try:
-                request = json.loads(written)
-            except ValueError:
-                request = {}
-            reason = self._refusal(number, request, len(self.members) + len(admitted))
+            if written is None:
+                continue
+            reason = self._refusal(written, len(self.members) + len(admitted))
             if reason is None:
                 member, self.next_id = self.next_id, self.next_id + 1
                 admitted.append(member)
@@ -254,35 +303,15 @@ class Coordinator:
             self.store.set(PREFIX + f"answer/{number}", json.dumps(answer))
         return admitted
 
-    def _stops(self) -> None:
-        """Answer each `fast stop` request: the members end at their next boundary, or why not."""
-        requests = int(self.store.add(PREFIX + "stops", 0))
-        while self._seen_stops < requests:
-            number = self._seen_stops + 1
-            written = read_key(self.store, f"stop/{number}")
-            if written is None:
-                break
-            self._seen_stops = number
-            expected = _proof(self.secret, self.challenge, f"stop-{number}", "")
-            if hmac.compare_digest(expected, written.decode(errors="replace")):
-                self.store.set(PREFIX + "stopping", "1")
-                answer = "stopping"
-            else:
-                answer = (f"refused: it does not hold the run's secret: give `fast stop` the run folder, or "
-                          f"--token-file with the run's {SECRET_FILE}")  # fmt: skip
-            self.store.set(PREFIX + f"stop-answer/{number}", answer)
-
-    def _refusal(self, number: int, request: dict[str, Any], size: int) -> str | None:
+    def _refusal(self, written: bytes, size: int) -> str | None:
+        """Why the join request `written` is refused (None: admitted); any malformed request is one refusal."""
         from fast.assemble import load_config
 
-        expected = _proof(self.secret, self.challenge, number, request.get("config", ""))
-        if not hmac.compare_digest(expected, str(request.get("proof", ""))):
-            return ("it does not hold the run's secret: give `fast join` the run folder, or --token-file with the "
-                    f"run's {SECRET_FILE}")  # fmt: skip
         try:
+            request = json.loads(written)
             joiner = load_config(json.loads(request["config"]))
-        except (ConfigError, ValueError, KeyError) as e:
-            return f"its config is not valid: {e}"
+        except (ConfigError, ValueError, KeyError, TypeError, RecursionError) as e:
+            return f"its request is not valid: {type(e).__name__}: {str(e)[:200]}"
         difference = config_difference(self.config, joiner)
         if difference is not None:
             return f"its config differs from the run's: {difference}"
@@ -292,25 +321,42 @@ class Coordinator:
         return None
 
 
+def _count(store: Any, key: str) -> int:
+    """The counter `key` (0 if none yet)."""
+    return int(store.add(PREFIX + key, 0))
+
+
+def beat_time(written: bytes | None, now: float) -> float:
+    """The time of a heartbeat as a member wrote it; `now` when there is none, or it is not a time."""
+    try:
+        beat = float(written) if written is not None else now
+    except ValueError:
+        return now
+    return beat if beat == beat else now  # (NaN)
+
+
 class Member:
     """A worker's side of the membership: its id, heartbeats, and the generations the coordinator publishes."""
 
-    def __init__(self, address: str, member: int, deadline_s: float) -> None:
-        host, port = address.rsplit(":", 1)
-        self.host, self.port, self.id, self.deadline_s = host, int(port), member, deadline_s
+    def __init__(self, access: Access, member: int, deadline_s: float) -> None:
+        self.access, self.id, self.deadline_s = access, member, deadline_s
         try:
-            self.store = _store(host, int(port), timeout_s=deadline_s)
-        except (RuntimeError, ValueError):  # the launcher and its store are gone
-            raise RunEnded(f"the run's membership at {address} does not answer: the run has ended") from None
+            self.store = connect(access, deadline_s)
+        except RuntimeError:  # the launcher and its store are gone
+            raise RunEnded(f"the run's membership at {access.address} does not answer: the run has ended") from None
         self._stop = threading.Event()
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
         self._ending = False  # worker 0 has ended, as the heartbeat last read it
         self._figures: Callable[[], dict[str, Any]] | None = None
+        self._group_connection: RunStore | None = None
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
         self._beats.start()
 
     def _beat(self) -> None:
-        store = _store(self.host, self.port, timeout_s=self.deadline_s)  # a connection of its own
+        try:
+            store = connect(self.access, self.deadline_s)  # a connection of its own
+        except RuntimeError:  # the run's launcher is gone: the lifeline ends this process
+            return
         while True:
             try:
                 store.set(PREFIX + f"heartbeat/{self.id}", repr(time.time()))
@@ -379,8 +425,10 @@ class Member:
     def group_store(self, generation: Generation) -> Any:
         """The store `generation`'s group forms on: its own prefix, and a connection whose waits give up after
         FORM_S (a member that died between arriving and forming does not hold the others up for a deadline)."""
-        store = _store(self.host, self.port, timeout_s=min(self.deadline_s, FORM_S))
-        return dist.PrefixStore(PREFIX + f"group/{generation.number}/", store)
+        if self._group_connection is not None:  # the last group's: aborted before a new one forms
+            self._group_connection.close()
+        self._group_connection = connect(self.access, min(self.deadline_s, FORM_S))
+        return self._group_connection.for_group(PREFIX + f"group/{generation.number}/")
 
     def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
              make_comm: Any) -> Comm:  # fmt: skip
@@ -416,7 +464,11 @@ class Member:
     def figures_of(self, member: int) -> dict[str, Any] | None:
         """What `member` last reported (None: nothing)."""
         text = read_key(self.store, f"figures/{member}")
-        return json.loads(text) if text is not None else None
+        try:
+            figures = json.loads(text) if text is not None else None
+        except ValueError:
+            return None
+        return figures if isinstance(figures, dict) and isinstance(figures.get("counter"), dict | None) else None
 
     def leave(self, how: str) -> None:
         try:
@@ -440,61 +492,46 @@ class Member:
         self._stop.set()
 
 
-def connect(address: str, timeout_s: float) -> Any:
-    """A connection of its own to the run's store at `address` (HOST:PORT)."""
-    host, port = address.rsplit(":", 1)
-    return _store(host, int(port), timeout_s=timeout_s)
-
-
-def report_left(address: str, member: int, how: str) -> None:
+def report_left(access: Access, member: int, how: str) -> None:
     """A joiner's launcher saw its worker end: the coordinator drops it now, not at the end of its heartbeats."""
-    host, port = address.rsplit(":", 1)
     try:
-        _store(host, int(port), timeout_s=5).set(PREFIX + f"leave/{member}", how)
-    except (RuntimeError, ValueError):  # the run is over
+        connect(access, 5).set(PREFIX + f"leave/{member}", how)
+    except RuntimeError:  # the run is over
         pass
 
 
-def _reach(command: str, address: str, timeout_s: float) -> Any:
+def _reach(command: str, access: Access, timeout_s: float) -> RunStore:
     """A connection to a live run's store, for a request of `command` (fast join, fast stop)."""
-    host, port = address.rsplit(":", 1)
     try:
-        store = _store(host, int(port), timeout_s=timeout_s)
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"{command}: no run answers at {address} ({str(e).splitlines()[0]}): check the address "
-                          "and that the run is still going") from None  # fmt: skip
+        store = connect(access, timeout_s)
+    except StoreRefused:
+        raise Refused(f"{command}: refused: it does not hold the run's secret: give `{command}` the run folder, or "
+                      f"--token-file with the run's {SECRET_FILE}") from None  # fmt: skip
+    except RuntimeError as e:
+        raise ConfigError(f"{command}: no run answers at {access.address} ({str(e).splitlines()[0]}): check the "
+                          "address and that the run is still going") from None  # fmt: skip
     if read_key(store, "ended") is not None or read_key(store, "ending") is not None:
-        raise RunEnded(f"the run at {address} has ended: there is nothing to {command.split()[-1]}")
+        raise RunEnded(f"the run at {access.address} has ended: there is nothing to {command.split()[-1]}")
     return store
 
 
-def _answer(store: Any, key: str, what: str, timeout_s: float) -> bytes:
-    start = time.monotonic()
-    while (answer := read_key(store, key)) is None:
-        if time.monotonic() - start > timeout_s:
-            raise RunEnded(f"the run did not answer the {what} within {timeout_s:g}s")
-        time.sleep(POLL_S)
-    return answer
-
-
-def request_admission(address: str, secret: bytes, config: Config, timeout_s: float) -> int:
+def request_admission(access: Access, config: Config, timeout_s: float) -> int:
     """A joiner's request: its member id, or Refused naming why."""
-    store = _reach("fast join", address, timeout_s)
-    text = json.dumps(config.to_dict())
+    store = _reach("fast join", access, timeout_s)
     number = int(store.add(PREFIX + "requests", 1))
-    proof = _proof(secret, store.get(PREFIX + "challenge").decode(), number, text)
-    store.set(PREFIX + f"request/{number}", json.dumps({"config": text, "proof": proof}))
-    decided = json.loads(_answer(store, f"answer/{number}", "join request", timeout_s))
+    store.set(PREFIX + f"request/{number}", json.dumps({"config": json.dumps(config.to_dict())}))
+    start = time.monotonic()
+    while (answer := read_key(store, f"answer/{number}")) is None:
+        if time.monotonic() - start > timeout_s:
+            raise RunEnded(f"the run did not answer the join request within {timeout_s:g}s")
+        time.sleep(POLL_S)
+    decided = json.loads(answer)
     if "refused" in decided:
         raise Refused(f"fast join: refused: {decided['refused']}")
     return int(decided["member"])
 
 
-def request_stop(address: str, secret: bytes, timeout_s: float = 30.0) -> None:
-    """`fast stop`: ask a live run to end, its members together at their next boundary; Refused naming why not."""
-    store = _reach("fast stop", address, timeout_s)
-    number = int(store.add(PREFIX + "stops", 1))
-    store.set(PREFIX + f"stop/{number}", _proof(secret, store.get(PREFIX + "challenge").decode(), f"stop-{number}", ""))
-    answer = _answer(store, f"stop-answer/{number}", "stop request", timeout_s).decode()
-    if answer != "stopping":
-        raise Refused(f"fast stop: {answer}")
+def request_stop(access: Access, timeout_s: float = 30.0) -> None:
+    """`fast stop`: ask a live run to end, its members together at their next boundary (their heartbeats read
+    it); Refused naming why not."""
+    _reach("fast stop", access, timeout_s).set(PREFIX + "stopping", "1")

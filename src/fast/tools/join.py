@@ -16,17 +16,9 @@ from fast.comm import bootstrap as engine
 from fast.errors import ConfigError
 from fast.jobs.loop import UserCode, train_worker
 from fast.runtime.launch import launch
-from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, report_left, request_admission
+from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
 from fast.strategies import strategy_class
-
-
-def read_secret(command: str, path: Path) -> bytes:
-    try:
-        return bytes.fromhex(path.read_text().strip())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{command}: cannot read the run's secret from {path} ({e}): give the run's "
-                          f"{SECRET_FILE}") from None  # fmt: skip
 
 
 def live_run(command: str, folder: Path) -> tuple[str, Path]:
@@ -60,16 +52,17 @@ def join(
     job = load_config(config, **overrides)
     if not job.run.elastic:
         raise ConfigError("fast join: the config is not an elastic run's (run.elastic = false): nothing can join it")
-    member = request_admission(address, read_secret("fast join", Path(token_file)), job, job.run.deadline_s)
+    access = Access.parse(address, read_secret("fast join", Path(token_file)))
+    member = request_admission(access, job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
-    environment = {"FAST_MEMBERSHIP": address, "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
+    environment = {**access.environment(Path(token_file).resolve()), "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
     user = UserCode(strategy_class=strategy_class(job.strategy.name))
 
     def ended(rank: int, exit_code: int | None) -> None:
         if exit_code:  # tell the run at once, rather than at the end of this worker's heartbeats
-            report_left(address, member, "killed" if exit_code < 0 else f"exited with code {exit_code}")
+            report_left(access, member, "killed" if exit_code < 0 else f"exited with code {exit_code}")
 
-    addr = address.rsplit(":", 1)[0]
+    addr = access.host
     threads = job.run.threads_per_worker or 1
     launch(train_worker, 1, (job, out, user, False), addr=addr, port=engine.free_port(), threads=threads,
            extra_env=environment, on_exit=ended)  # fmt: skip

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fast.errors import ConfigError
-from fast.runtime.membership import request_stop
-from fast.tools.join import live_run, read_secret
+from fast.runtime.membership import Access, read_secret, request_stop
+from fast.tools.join import live_run
 
 
 def stop(run_dir: str | Path | None = None, *, address: str | None = None, token_file: str | Path | None = None) -> str:
@@ -22,5 +22,5 @@ def stop(run_dir: str | Path | None = None, *, address: str | None = None, token
         address, token_file = address or found, token_file or secret_file
     if address is None or token_file is None:
         raise ConfigError("fast stop: give the run's folder, or --address HOST:PORT and --token-file F")
-    request_stop(address, read_secret("fast stop", Path(token_file)))
+    request_stop(Access.parse(address, read_secret("fast stop", Path(token_file))))
     return address
