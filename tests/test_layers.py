@@ -1,4 +1,4 @@
-"""The package's layers as the README's architecture section writes them: every import points down (or stays in its
+"""The package's layers as docs/architecture.md writes them: every import points down (or stays in its
 layer), and no module imports itself back through others. Read from the code (ast), so nothing is run."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ SRC = ROOT / "src"
 
 
 def layers() -> list[tuple[str, list[str]]]:
-    """(layer, module prefixes) from the README's architecture table, bottom first."""
-    text = (ROOT / "README.md").read_text()
+    """(layer, module prefixes) from the architecture table of docs/architecture.md, bottom first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
     block = text[text.index("<!-- layers -->") : text.index("<!-- /layers -->")]
     rows = re.findall(r"^\|\s*`?([a-z]+)`?\s*\|\s*([^|]+)\|", block, flags=re.M)
     found = [(name, re.findall(r"`(fast[\w.]*)`", modules)) for name, modules in rows if name != "layer"]
@@ -65,7 +65,7 @@ def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_ones():
         if module == "fast":  # the public API: it reaches the top layers, lazily, on purpose
             continue
         mine = layer_of(module, table)
-        assert mine >= 0, f"{module} is in no layer of the README's architecture table"
+        assert mine >= 0, f"{module} is in no layer of docs/architecture.md's table"
         for name in found:
             theirs = layer_of(target(name, modules), table)
             if theirs > mine:
