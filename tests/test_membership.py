@@ -23,6 +23,7 @@ from fast.jobs.loop import UserCode, datasets, model_for
 from fast.optim import build_optimizer
 from fast.runtime.loader import epoch_order
 from fast.tools.cli import main
+from tests.processes import listening
 
 FAST = str(Path(sys.executable).with_name("fast"))
 JOB = {
@@ -105,6 +106,8 @@ def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int
     proc = _start(run, {"run.workers": 4, "run.max_time": "300s", **options})  # ended by fast stop
     try:
         _wait_for_step(run, killed_at, proc)
+        sockets = listening(proc.pid)  # every process of a local run, the launcher's store included, on loopback
+        assert sockets and all(address in ("127.0.0.1", "::1") for _, address, _ in sockets), sockets
         _worker(proc.pid, 2).send_signal(signal.SIGKILL)
         _wait_for_step(run, joined_at, proc)
         env = {**os.environ, "FAST_PROGRESS": "0"}
