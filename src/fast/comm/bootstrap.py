@@ -3,6 +3,7 @@ or under torchrun, and hand back the `Comm` every layer above moves tensors thro
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -166,11 +167,21 @@ def start_group(
     return make_comm(group=group, deadline_s=deadline_s, device=device, counter=counter)
 
 
+_listening: list[socket.socket] = []  # the sockets this process's stores listen on (the store owns their descriptors)
+
+
 def _tcp_store(addr: str, port: int, world_size: int, host: bool, timeout: timedelta) -> dist.TCPStore:
+    """The job's store at `addr`:`port`, hosted by this process if `host`: on a socket bound to `addr` alone (torch's
+    own binds every interface, whatever address it is given)."""
     try:
-        return dist.TCPStore(addr, port, world_size, is_master=host, timeout=timeout)
-    except RuntimeError as e:
-        if host and "EADDRINUSE" in str(e):
+        if not host:
+            return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+        listener = socket.create_server((addr, port), family=socket.getaddrinfo(addr, port)[0][0], backlog=4096)
+        _listening.append(listener)
+        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout,
+                             master_listen_fd=listener.fileno())  # fmt: skip
+    except (RuntimeError, OSError) as e:
+        if host and ("EADDRINUSE" in str(e) or getattr(e, "errno", None) == errno.EADDRINUSE):
             raise ConfigError(f"port {port} of {addr} is in use (run.master_port, MASTER_PORT): choose another, or "
                               "run.master_port = 0 for any free one") from None  # fmt: skip
         raise
