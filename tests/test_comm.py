@@ -76,6 +76,46 @@ def test_point_to_point_and_collectives_move_the_right_values_and_count_exact_by
     assert a["counter"]["bytes_sent_unmetered"] == b["counter"]["bytes_sent_unmetered"] == 4000  # counted apart
 
 
+def _announced_past_the_limit(comm: Comm) -> dict:
+    """Rank 0 sends 1000 bytes twice; rank 1 expects at most 1000, then at most 999 (and drains the payload)."""
+    payload = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    if comm.rank == 0:
+        comm.send_bytes(payload, 1)
+        comm.send_bytes(payload, 1)
+        comm.barrier()
+        return {}
+    _, first = comm.recv_bytes(0, limit=1000)
+    try:
+        comm.recv_bytes(0, limit=999)
+        refused = ""
+    except CommError as e:
+        refused = str(e)
+        comm.recv(torch.empty(1000, dtype=torch.uint8), 0)  # what was sent still arrives: taken here, unallocated
+    comm.barrier()
+    return {"first": len(first), "refused": refused}
+
+
+def test_recv_bytes_refuses_a_length_past_what_its_caller_expects():
+    out = run_distributed(_announced_past_the_limit, 2)[1]
+    assert out["first"] == 1000
+    assert "recv_bytes from worker 0: 1,000 bytes announced, more than the 999 this receive expects" in out["refused"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "lenet", "resnet8", "lstm"])
+def test_the_bound_on_a_saved_state_holds_the_state_and_not_much_more(model):
+    import io
+
+    from fast.comm.comm import limit_for
+    from fast.jobs.models import build_model
+
+    state = build_model(model, (1, 8, 8), 10).state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    tensors = sum(t.numel() * t.element_size() for t in state.values())
+    assert len(buffer.getvalue()) <= limit_for(state) <= tensors + 4096 * len(state) + (1 << 20)
+    assert limit_for(state, times=2) > 2 * len(buffer.getvalue()) - (1 << 20)
+
+
 def _in_pieces(comm: Comm) -> dict:
     import torch.distributed as dist
 

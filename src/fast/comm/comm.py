@@ -12,6 +12,9 @@ operation and the peer. Bytes are counted per peer by the shared `ByteCounter`:
 
 A send may be marked `droppable=True` (gossip, asynchronous pushes: the protocol survives a lost message).
 Native links never lose one; an emulated lossy or down link may, and the receive then raises `MessageLost`.
+
+A variable-length payload (`recv_bytes`) is taken only up to the length its caller expects (`limit`, from what it
+receives: a codec frame, a state like its own), so that no member makes another allocate whatever it announces.
 """
 
 from __future__ import annotations
@@ -35,6 +38,35 @@ from fast.errors import CommError, CommTimeout
 
 class MessageLost(CommError):
     """A message sent with `droppable=True` was lost on an emulated link (never raised by native links)."""
+
+
+RECV_BYTES = 1 << 30  # what recv_bytes takes when its caller knows no closer bound on what it receives
+
+
+def check_length(peer: int, n: int, limit: int) -> None:
+    """CommError unless a payload of `n` bytes announced by `peer` is one a receive expecting `limit` takes."""
+    if n < 0:
+        raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+    if n > limit:
+        raise CommError(f"recv_bytes from worker {peer}: {n:,} bytes announced, more than the {limit:,} this receive "
+                        "expects (a corrupt stream, or a member that is not running this run's code)")  # fmt: skip
+
+
+def limit_for(state: Any, times: int = 1) -> int:
+    """A bound on the bytes of `times` payloads like `state` (nested dicts, lists and tuples of tensors and small
+    values) as torch.save writes them: their tensors' bytes, with room for each one's record and the rest."""
+    tensors, leaves, stack = 0, 0, [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+        elif torch.is_tensor(value):
+            tensors += value.numel() * value.element_size() + 4096
+        else:
+            leaves += 1
+    return times * (tensors + 1024 * leaves) + (1 << 20)
 
 
 # how often a collective's wait in an interruptible group asks whether to give up (a point-to-point wait that times
@@ -338,13 +370,13 @@ class Comm:
         if payload.numel():
             self.send(payload.contiguous(), dst, tag)
 
-    def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
-        """Receive a payload sent by `send_bytes`, from `src` or from whichever peer comes first."""
+    def recv_bytes(self, src: int | None = None, tag: int = 0, limit: int = RECV_BYTES) -> tuple[int, torch.Tensor]:
+        """Receive a payload sent by `send_bytes`, from `src` or from whichever peer comes first; CommError for
+        one longer than `limit` bytes (what the caller expects at most), before anything is allocated for it."""
         length = torch.zeros(1, dtype=torch.int64)
         peer = self.recv_from(length, tag) if src is None else (self.recv(length, src, tag), src)[1]
         n = int(length.item())
-        if n < 0 or n > (1 << 34):
-            raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+        check_length(peer, n, limit)
         payload = torch.empty(n, dtype=torch.uint8)
         if n:
             self.recv(payload, peer, tag)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fast.comm import tags, timeline, timing
-from fast.comm.comm import Comm, Handle
+from fast.comm.comm import RECV_BYTES, Comm, Handle, check_length
 from fast.comm.waiting import waiting
 from fast.errors import CommError, CommTimeout
 
@@ -136,11 +136,11 @@ class PatientGroup:
         if payload.numel():
             self.send(payload.contiguous(), peer, tag, deadline_s=deadline_s)
 
-    def recv_bytes(self, peer: int, tag: int, deadline_s: float | None = None) -> torch.Tensor:
+    def recv_bytes(self, peer: int, tag: int, deadline_s: float | None = None, limit: int = RECV_BYTES) -> torch.Tensor:
+        """A payload `send_bytes` sent, of at most `limit` bytes (as `Comm.recv_bytes`)."""
         length = self.recv(torch.zeros(1, dtype=torch.int64), peer, tag, deadline_s)
         n = int(length.item())
-        if n < 0 or n > (1 << 34):
-            raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+        check_length(peer, n, limit)
         return self.recv(torch.empty(n, dtype=torch.uint8), peer, tag, deadline_s) if n else torch.empty(0)
 
     def probe(self, peer: int) -> str | None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fast.comm import tags, timeline, timing
-from fast.comm.comm import Comm, Handle, MessageLost, post, sender_of
+from fast.comm.comm import RECV_BYTES, Comm, Handle, MessageLost, check_length, post, sender_of
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waiting
 from fast.emulation.links import LinkTable
@@ -352,7 +352,7 @@ class EmulatedComm(Comm):
             Handle(work, "send", f"worker {dst}", self.deadline_s).wait()
         sleep_until(tx.sent_at)
 
-    def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
+    def recv_bytes(self, src: int | None = None, tag: int = 0, limit: int = RECV_BYTES) -> tuple[int, torch.Tensor]:
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         name = f"worker {src}" if src is not None else "any worker"
         work = post("recv", name, self.deadline_s, dist.irecv, header, src=src, group=self.group, tag=tag)
@@ -361,8 +361,7 @@ class EmulatedComm(Comm):
         self._message(peer, self.rank, tag)
         stamp = _read_header(header)
         lost, n = stamp.lost, stamp.length
-        if n < 0 or n > (1 << 34):
-            raise CommError(f"recv_bytes from worker {peer}: impossible length {n} (corrupt stream)")
+        check_length(peer, n, limit)
         payload = torch.empty(n, dtype=torch.uint8)
         if n and not lost:
             name = f"worker {peer}"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fast.comm import timeline, timing
-from fast.comm.comm import Handle, MessageLost
+from fast.comm.comm import RECV_BYTES, Handle, MessageLost, check_length
 from fast.comm.scheduler import current_task
 from fast.emulation.network import EmulatedComm, Stamp, Transmission, _as_bytes, reduce_into, sleep_until
 from fast.emulation.wire import Meeting, Message, Wire, wire
@@ -174,7 +174,7 @@ class SimComm(EmulatedComm):
         self.counter.add_sent(dst, 8 + n)
         sleep_until(tx.sent_at)
 
-    def recv_bytes(self, src: int | None = None, tag: int = 0) -> tuple[int, torch.Tensor]:
+    def recv_bytes(self, src: int | None = None, tag: int = 0, limit: int = RECV_BYTES) -> tuple[int, torch.Tensor]:
         work = _Receive(self, src, tag)
         Handle(work, "recv", f"worker {src}" if src is not None else "any worker", self.deadline_s).wait()
         message = work.message
@@ -182,6 +182,7 @@ class SimComm(EmulatedComm):
         self._message(message.src, self.rank, tag)
         if message.payload is None:
             raise MessageLost(f"a droppable message from worker {message.src} (tag {tag}) was lost on its link")
+        check_length(message.src, message.payload.numel(), limit)
         self.counter.add_received(message.src, message.length)
         return message.src, message.payload
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from fast.codecs import Codec
-from fast.comm.comm import Comm, Handle
+from fast.comm.comm import RECV_BYTES, Comm, Handle
 from fast.exchange.allreduce import FP32_BYTES
 
 
@@ -26,9 +26,11 @@ def send_frame(comm: Comm, frame: torch.Tensor, numel: int, dst: int, *, tag: in
         comm.send_bytes(frame.to(comm.device), dst, tag, droppable)
 
 
-def recv_compressed(comm: Comm, codec: Codec, src: int | None = None, *, tag: int = 0) -> tuple[int, torch.Tensor]:
-    """Receive a frame sent by `send_compressed` (from `src`, or whoever comes first): (sender, decoded tensor)."""
-    peer, frame = comm.recv_bytes(src, tag)
+def recv_compressed(comm: Comm, codec: Codec, src: int | None = None, *, tag: int = 0,
+                    limit: int = RECV_BYTES) -> tuple[int, torch.Tensor]:  # fmt: skip
+    """Receive a frame sent by `send_compressed` (from `src`, or whoever comes first): (sender, decoded tensor);
+    `limit`: the most bytes its frame may have (the codec's frame of the largest tensor it may carry)."""
+    peer, frame = comm.recv_bytes(src, tag, limit)
     return peer, codec.decode(frame)
 
 

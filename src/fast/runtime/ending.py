@@ -26,6 +26,7 @@ from torch import nn
 
 from fast.comm import tags, timing
 from fast.comm.arrivals import peers_fractions
+from fast.comm.comm import limit_for
 from fast.comm.timeline import chrome_trace, shares
 from fast.emulation.deployment import describe as describe_deployment
 from fast.emulation.deployment import emulated, record_of
@@ -132,6 +133,7 @@ class Ending:
         if self.model is None:
             raise UsageError("job.finish() before job.prepare(model, optimizer): there is nothing to finish")
         self._eval_fn = self._on_model(eval_fn) or self._eval_fn
+        self._count_bad_steps()  # (a run of bad steps the loop's last boundary did not see fails here, before any wait)
         if self.simulated and self.is_main:
             from fast.emulation.wire import training_ends
 
@@ -287,13 +289,17 @@ class Ending:
                 line.recv(torch.zeros(1), 0, tag=END_TAG, deadline_s=patience)
             return None
         everyone, replicas = [figures], [replica]
+        # what the others hand in is like worker 0's own: their figures (records of as many steps, give or take)
+        # and a replica of the same model; a longer one is refused before it is allocated
+        figures_limit = 16 * _pack(json.dumps(figures)).numel() + (64 << 20)
+        replica_limit = limit_for(self.model.state_dict(), times=2)
         with line.unmetered():
             for rank in range(1, world.size):
                 if rank in strategy.dead:
                     continue
                 try:
-                    everyone.append(json.loads(_unpack(line.recv_bytes(rank, tag=END_TAG))))
-                    theirs = _unpack(line.recv_bytes(rank, tag=END_TAG))
+                    everyone.append(json.loads(_unpack(line.recv_bytes(rank, tag=END_TAG, limit=figures_limit))))
+                    theirs = _unpack(line.recv_bytes(rank, tag=END_TAG, limit=replica_limit))
                 except CommError as e:
                     strategy.lost(rank, self.step, f"end of run: {e}")
                     continue
