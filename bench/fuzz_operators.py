@@ -6,8 +6,9 @@
 Every overload that fast.operators accepts (each listed operator and its in-place form) is called with arguments
 drawn at random from its schema: small tensors of several dtypes, some of them strided or expanded views, some
 holding infinities, NaNs and the extreme integers; integers such as 0, -1 and LARGEST_SIZE; floats such as inf and
-nan; lists; optional arguments left out. A case is a one-node graph, read by fast.program.read_graph and run by
-Graph.run in a forked process, one case at a time, under a limit on memory and a timeout. An exception, a refusal
+nan; lists; optional arguments left out. A case is a one-node training program whose tensors are its buffers
+(which a training program may write into in place), read by fast.program.read_graph and run by Graph.run in a
+forked process, one case at a time, under a limit on memory and a timeout. An exception, a refusal
 included, is a fine outcome; a process killed by a signal, or one that does not finish, is not. Overloads take
 turns, so a short run still calls each of them once. Run it again after a torch upgrade. The summary lists each
 crash and hang with its CASE, which --replay runs in the foreground; the exit status is then 1.
@@ -90,8 +91,6 @@ class CaseMaker:
         given = [a for a in schema.arguments if not (a.has_default_value() and self.rng.random() < 0.25)]
         inputs = [{"name": a.name, "arg": self.argument(a.name, str(a.type)), "kind": 1} for a in given]
         outputs = [self.result(i, str(result.type)) for i, result in enumerate(schema.returns)]
-        if not self.tensors:
-            self.tensors["unused"] = [[], "float32", "contiguous", 0.0, 0]  # Graph.run takes its device from an input
         return {"target": f"torch.ops.aten.{self.overload}", "inputs": inputs, "outputs": outputs,
                 "tensors": self.tensors}  # fmt: skip
 
@@ -179,12 +178,14 @@ class CaseMaker:
 
 
 def graph_json(case: dict[str, Any]) -> bytes:
-    """The case as the one-node program torch.export would write, the case's tensors as its inputs."""
-    inputs = list(case["tensors"])
+    """The case as the one-node training program torch.export would write: the case's tensors as its buffers b0,
+    b1, ..., and an input (the batch, whose device the program runs on) that the node does not use."""
+    buffers = list(case["tensors"])
     results = [output["as_tensor"]["name"] for output in case["outputs"] if "as_tensor" in output]
-    output = {"as_tensor": {"name": (results or inputs)[0]}}
+    output = {"as_tensor": {"name": (results or ["batch"])[0]}}
     node = {"target": case["target"], "name": "node", "inputs": case["inputs"], "outputs": case["outputs"]}
-    signature = {"input_specs": [{"user_input": {"arg": {"as_tensor": {"name": name}}}} for name in inputs],
+    specs = [{"buffer": {"arg": {"name": name}, "buffer_name": f"b{i}"}} for i, name in enumerate(buffers)]
+    signature = {"input_specs": [*specs, {"user_input": {"arg": {"as_tensor": {"name": "batch"}}}}],
                  "output_specs": [{"user_output": {"arg": output}}]}  # fmt: skip
     graph = {"nodes": [node], "outputs": [output]}
     return json.dumps({"schema_version": {"major": SCHEMA_MAJOR, "minor": 0},
@@ -220,9 +221,9 @@ def make_tensor(shape: list[int], dtype_name: str, view: str, extreme_share: flo
 
 def run_case(case: dict[str, Any]) -> tuple[str, str]:
     """Reads and runs the case's graph in this process: "ok", "refused" (PackageError) or "raised", and a message."""
-    inputs = [make_tensor(*spec) for spec in case["tensors"].values()]
+    buffers = {f"b{i}": make_tensor(*spec) for i, spec in enumerate(case["tensors"].values())}
     try:
-        results = read_graph(graph_json(case), "fuzz").run({}, *inputs)
+        results = read_graph(graph_json(case), "fuzz", training=True).run(buffers, torch.zeros(1))
         for result in results:
             if torch.is_tensor(result):
                 result.sum()  # reads every element: a result whose strides point outside its memory fails here

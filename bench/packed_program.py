@@ -80,7 +80,7 @@ def main() -> None:
         for name in args.models:
             package = read_package(packed(name, Path(folder)))
             started = time.perf_counter()
-            read_graph(package.members["train.json"], "train.json")
+            read_graph(package.members["train.json"], "train.json", training=True)
             read_ms = 1000 * (time.perf_counter() - started)
             ours = PackedModel(package)
             state = {n: nn.Parameter(t.detach().clone()) if n.startswith("w") else t.detach().clone()

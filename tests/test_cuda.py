@@ -137,7 +137,8 @@ def test_a_package_trains_on_cuda(tmp_path, no_orphans):
     job = {"data": {"name": "digits"}, "model": {"name": "lenet"}, "run": {"workers": 2, "max_steps": 60,
            "batch_size": 32, "eval_every": 0}}  # fmt: skip
     archive = fast.pack(job, tmp_path / "lenet.fastjob")
-    summary = fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits", run__device="cuda")
+    summary = fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits", run__device="cuda",
+                         package__unsigned=True)  # fmt: skip
     assert summary["config"]["run"]["device"] == "cuda"
     assert summary["steps_per_worker"] == 60 and summary["final_test_loss"] < 2.0  # untrained: ln 10 = 2.303
 

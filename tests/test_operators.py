@@ -138,3 +138,64 @@ def test_a_value_used_before_it_is_made_or_made_twice_is_refused():
     for nodes in (twice, early):
         with pytest.raises(PackageError, match="is not a graph torch.export wrote"):
             read_graph(_graph(nodes), "test")
+
+
+BATCH_NORM = {"input": "%x", "weight": {"as_none": True}, "bias": {"as_none": True}, "running_mean": "%m",
+              "running_var": "%v", "momentum": 0.1, "eps": 1e-5, "cudnn_enabled": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("nodes", "words"),
+    [
+        # a view of a view of an input, written into
+        ([("torch.ops.aten.transpose.int", {"self": "%x", "dim0": 0, "dim1": 1}, ["t"]),
+          ("torch.ops.aten.unsqueeze.default", {"self": "%t", "dim": 0}, ["u"]),
+          ("torch.ops.aten.copy_.default", {"self": "%u", "src": "%u"}, ["out"])],
+         "node 2 (aten::copy_.default) writes in place into an input of the program (the owner's batch)"),
+        # batch_norm computing batch statistics updates its running statistics, though its schema says nothing
+        ([("torch.ops.aten.batch_norm.default", {**BATCH_NORM, "training": True}, ["out"])],
+         "node 0 (aten::batch_norm.default) writes in place into an input of the program"),
+        # an in-place change of an input's shape is a write too
+        ([("torch.ops.aten.unsqueeze_.default", {"self": "%x", "dim": 0}, ["out"])], "writes in place into an input"),
+    ],
+)  # fmt: skip
+def test_a_write_into_an_input_through_a_view_or_a_hidden_write_is_refused_at_load(nodes, words):
+    with pytest.raises(PackageError, match="^test: ") as error:
+        read_graph(_graph(nodes, inputs=("x", "m", "v")), "test", training=True)
+    assert words in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+def test_writes_into_what_the_program_made_run_and_leave_its_inputs_as_they_were():
+    x, m, v = torch.randn(4, 3), torch.zeros(3), torch.ones(3)
+    program = read_graph(_graph([
+        ("torch.ops.aten.clone.default", {"self": "%x"}, ["c"]),
+        ("torch.ops.aten.add_.Tensor", {"self": "%c", "other": 1}, ["added"]),
+        ("torch.ops.aten.batch_norm.default", {**BATCH_NORM, "input": "%added", "training": False}, ["out"]),
+    ], inputs=("x", "m", "v")), "test")  # fmt: skip
+    (out,) = program.run({}, x.clone(), m, v)
+    torch.testing.assert_close(out, (x + 1) / torch.sqrt(torch.tensor(1 + 1e-5)))
+    assert torch.equal(m, torch.zeros(3)) and torch.equal(v, torch.ones(3))
+
+
+def test_a_number_computed_from_the_data_is_no_size():
+    serialized = json.loads(_graph([("torch.ops.aten.sum.default", {"self": "%x"}, ["s"])]))
+    serialized["graph_module"]["graph"]["nodes"][0]["outputs"] = [{"as_sym_int": {"as_name": "s"}}]
+    with pytest.raises(PackageError, match=r"^test: node 0 \(aten::sum.default\) gives a size, but sizes come only"):
+        read_graph(json.dumps(serialized).encode(), "test")
+
+
+def test_a_count_known_at_load_is_held_to_the_budget_before_anything_runs():
+    program = read_graph(_graph([("torch.ops.aten.randperm.default", {"n": LARGEST_SIZE}, ["out"])]), "test")
+    assert program.allocations == (("node 0 (aten::randperm.default)", 8 * LARGEST_SIZE),)  # int64
+    with pytest.raises(PackageError, match=r"^test: node 0 \(aten::randperm.default\) would allocate 16 GiB"):
+        program.check_budget()
+    program.check_budget(20 << 30)  # the owner's, raised
+
+
+def test_an_expanded_view_spans_no_more_than_the_budget_whatever_copies_it():
+    program = read_graph(_graph([
+        ("torch.ops.aten.expand.default", {"self": "%x", "size": [2**20, 2**20, -1]}, ["wide"]),
+        ("torch.ops.aten.clone.default", {"self": "%wide"}, ["out"]),
+    ]), "test")  # fmt: skip
+    with pytest.raises(PackageError, match=r"node 0 \(aten::expand.default\) would allocate 4,096 GiB"):
+        program.run({}, torch.ones(1, 1, 1))

@@ -137,7 +137,8 @@ def test_the_data_owners_own_loop_trains_a_package_under_fast_run(packed, tmp_pa
 
 def test_the_trained_weights_load_back_into_the_authors_own_class(packed, tmp_path, no_orphans):
     folder, archive, _ = packed
-    fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits", run__epochs=1)
+    fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits", run__epochs=1,
+               package__trusted_key=str(folder / "author.pub"))  # fmt: skip
     sys.path.insert(0, str(tmp_path))
     (tmp_path / "author_copy.py").write_text(AUTHOR_CODE)
     try:
@@ -282,9 +283,10 @@ def test_what_torch_export_cannot_capture_fails_at_pack_time_in_one_line(tmp_pat
 
 
 def test_the_owner_cannot_swap_the_model_of_a_package(packed):
-    _, archive, _ = packed
+    folder, archive, _ = packed
+    key = str(folder / "author.pub")
     with pytest.raises(ConfigError, match="a packed job's model and loss come from its package"):
-        fast.train(str(archive), data__name="digits", model__name="lenet")
+        fast.train(str(archive), data__name="digits", model__name="lenet", package__trusted_key=key)
 
 
 def test_fast_compare_runs_its_variants_on_a_package(packed, tmp_path, no_orphans):
@@ -307,7 +309,7 @@ def test_the_built_in_image_models_pack_and_train_from_the_package(tmp_path, no_
     job = {"data": {"name": "digits"}, "model": {"name": model}, "run": {"workers": 2, "max_steps": 30,
            "batch_size": 32, "eval_every": 0}}  # fmt: skip
     archive = fast.pack(job, tmp_path / f"{model}.fastjob")
-    summary = fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits")
+    summary = fast.train(str(archive), out=str(tmp_path / "run"), data__name="digits", package__unsigned=True)
     source = fast.train(job, out=str(tmp_path / "source"))
     assert summary["steps_per_worker"] == 30 and summary["final_test_loss"] < 2.3  # untrained: ln 10 = 2.303
     assert summary["final_test_accuracy"] == pytest.approx(source["final_test_accuracy"], abs=1e-6)
@@ -323,7 +325,8 @@ def test_the_language_model_packs_and_trains_from_the_package_under_diloco(tmp_p
                    **small)  # fmt: skip
     assert read_package(archive).schema["derived"] == ["perplexity"]
     summary = fast.train(str(archive), out=str(tmp_path / "run"), strategy__name="diloco", strategy__period=5,
-                         data__factory="lm:corpus", data__context=128, data__megabytes=0.3)  # fmt: skip
+                         data__factory="lm:corpus", data__context=128, data__megabytes=0.3,
+                         package__unsigned=True)  # fmt: skip
     assert summary["steps_per_worker"] == 20 and summary["outer_rounds"] == 4
     assert 1 < summary["final_test_perplexity"] < 256  # a byte model guessing uniformly: 256
 

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -349,11 +350,11 @@ def test_the_owner_trains_a_package_under_gossip_without_the_author_opening_anyt
 def test_the_authors_recipe_and_fixed_keys_stay_the_authors(author, tmp_path):
     folder, archive = author
     with pytest.raises(ConfigError, match="`optimizer.lr` is the package author's training recipe"):
-        fast.train(str(archive), optimizer__lr=0.5)
+        fast.train(str(archive), optimizer__lr=0.5, package__trusted_key=str(folder / "author.pub"))
     fixed = pack(JOB, tmp_path / "fixed.fastjob", fixed_keys=("strategy.*",), open_keys=("optimizer.lr",))
     with pytest.raises(ConfigError, match=r"`strategy.name` is fixed by the package's author"):
-        fast.train(str(fixed), strategy__name="gossip")
-    config = load_config(str(fixed), optimizer__lr=0.01, run__workers=3)
+        fast.train(str(fixed), strategy__name="gossip", package__unsigned=True)
+    config = load_config(str(fixed), optimizer__lr=0.01, run__workers=3, package__unsigned=True)
     assert config.optimizer.lr == 0.01 and config.run.workers == 3
 
 
@@ -370,3 +371,200 @@ def test_the_authors_open_and_fixed_keys_are_checked_at_pack_time(tmp_path, keys
     with pytest.raises(PackageError, match=words):
         pack(JOB, tmp_path / "p.fastjob", **keys)
     assert not os.path.exists(tmp_path / "p.fastjob")
+
+
+# -- sizes come from sizes, and no node allocates past the owner's budget -----------------------------------------
+def _sym(node: dict, name: str) -> dict:
+    """`node` with its result declared a size (as_sym_int), as a graph names a tensor's size."""
+    return {**node, "outputs": [{"as_sym_int": {"as_name": name}}]}
+
+
+def _sizes(*items) -> dict:
+    """A size list of constants (ints) and computed sizes (names)."""
+    return {"as_sym_ints": [{"as_int": i} if isinstance(i, int) else {"as_name": i} for i in items]}
+
+
+def _filled(size: dict) -> list[dict]:
+    """full(size, 1.0), summed into `total`."""
+    full = _node("torch.ops.aten.full.default", [("size", size), ("fill_value", {"as_float": 1.0})], "filled")
+    return [full, _node("torch.ops.aten.sum.default", [("self", {"as_tensor": {"name": "filled"}})], "total")]
+
+
+def _arange(target: str, arguments: list[tuple[str, dict]]) -> list[dict]:
+    arange = _node(target, arguments, "counted")
+    return [arange, _node("torch.ops.aten.sum.default", [("self", {"as_tensor": {"name": "counted"}})], "total")]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "words"),
+    [
+        # the issue's bypass: the batch's sum declared a size, feeding full(size=[s, 0])
+        ([_sym(_node("torch.ops.aten.sum.default", [("self", {"as_tensor": {"name": "x"}})], "s"), "s"),
+          *_filled(_sizes("s", 0))], "(aten::sum.default) gives a size, but sizes come only from sym_size"),
+        (_arange("torch.ops.aten.arange.default", [("end", {"as_float": 1e12})]),
+         "(aten::arange.default) is given end=1e+12, beyond 2147483647"),
+        (_arange("torch.ops.aten.arange.start_step", [("start", {"as_int": 0}), ("end", {"as_int": 10**9}),
+                                                      ("step", {"as_float": 1e-6})]),
+         "(aten::arange.start_step) is asked for 1,000,000,000,000,000 values"),
+        # a size's result used as a tensor, to reach where only tensors go
+        ([{**_node("torch.ops.aten.sym_size.int", [("self", {"as_tensor": {"name": "x"}}), ("dim", {"as_int": 0})],
+                   "total")}], "(aten::sym_size.int) gives its size as a tensor"),
+    ],
+)  # fmt: skip
+def test_a_size_not_from_sizes_or_an_unbounded_count_is_refused_at_load(author, tmp_path, nodes, words):
+    archive = _resigned(author, tmp_path / "p.fastjob", _poison(nodes))
+    with pytest.raises(PackageError, match=r"^train\.json: node \d+ ") as error:
+        read_package(archive, author[0] / "author.pub")
+    assert words in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+def test_a_size_from_the_data_is_refused_by_fast_train_in_one_line(author, tmp_path):
+    nodes = [_sym(_node("torch.ops.aten.sum.default", [("self", {"as_tensor": {"name": "x"}})], "s"), "s"),
+             *_filled(_sizes("s", 0))]  # fmt: skip
+    archive = _resigned(author, tmp_path / "p.fastjob", _poison(nodes))
+    done = _owner(author, "train", str(archive), "--out", str(tmp_path / "run"), cwd=tmp_path)
+    _one_line(done, "train.json: node", "(aten::sum.default) gives a size", "do not train it")
+
+
+def test_a_node_allocating_past_the_budget_from_constant_sizes_is_refused_before_training(author, tmp_path):
+    archive = _resigned(author, tmp_path / "p.fastjob", _poison(_filled(_sizes(2**31 - 1, 16))))
+    done = _owner(author, "train", str(archive), "--out", str(tmp_path / "run"), "--set", "data.name=digits",
+                  cwd=tmp_path)  # fmt: skip
+    _one_line(done, "(aten::full.default) would allocate 128 GiB from the sizes it is given, over the 4 GiB",
+              "raise package.max_node_gib")  # fmt: skip
+    assert not (tmp_path / "run" / "summary.json").exists()
+    key = str(author[0] / "author.pub")
+    config = load_config(str(archive), data__name="digits", package__trusted_key=key, package__max_node_gib=256)
+    assert config.package.node_bytes == 256 << 30  # the owner may raise it (this test trains nothing)
+    assert "aten::full.default" in read_package(archive, key).graphs["train.json"].operators  # inspect reads it
+
+
+def test_a_node_allocating_past_the_budget_from_sizes_computed_at_run_time_is_refused_as_it_runs(author, tmp_path):
+    """sizes that pass the load (computed from the batch's size), whose product is 64 GiB at a batch of 32."""
+    batch = _node("torch.ops.aten.sym_size.int", [("self", {"as_tensor": {"name": "x"}}), ("dim", {"as_int": 0})], "s")
+    times = _node("_operator.mul", [("a", {"as_sym_int": {"as_name": "s"}}), ("b", {"as_int": 2**25})], "n")
+    archive = _resigned(author, tmp_path / "p.fastjob", _poison([_sym(batch, "s"), _sym(times, "n"),
+                                                                 *_filled(_sizes("n", 16))]))  # fmt: skip
+    from fast.jobs.package import PackedModel
+
+    package = read_package(archive, author[0] / "author.pub")
+    x, y = torch.zeros(32, 1, 8, 8), torch.zeros(32, dtype=torch.int64)
+    with pytest.raises(PackageError, match=r"^train\.json: node \d+ \(aten::full.default\) would allocate 64 GiB"):
+        PackedModel(package)(x, y)
+    with pytest.raises(PackageError, match="would allocate 2 GiB from the sizes it is given, over the 1 GiB one"):
+        PackedModel(package, budget=1 << 30)(x[:1], y[:1])  # the owner's own budget (package.max_node_gib)
+
+
+# -- in-place writes: never into the owner's batch or the weights outside training -----------------------------------
+def _with_nodes(nodes: list[dict]):
+    """A change that adds `nodes` (whose results nothing reads) to a program."""
+
+    def change(graph: dict) -> None:
+        graph["graph_module"]["graph"]["nodes"] += nodes
+
+    return change
+
+
+def _resigned_program(author, target: Path, program: str, change) -> Path:
+    folder, archive = author
+    members = _members(archive)
+    graph = json.loads(members[program])
+    change(graph)
+    members[program] = json.dumps(graph).encode()
+    return write_archive(target, members, folder / "author.key")
+
+
+def _tensor(name: str) -> dict:
+    return {"as_tensor": {"name": name}}
+
+
+@pytest.mark.parametrize(
+    ("program", "nodes", "words"),
+    [
+        # the issue's case: the evaluation program copies the owner's batch into a weight that is sent back
+        ("eval.json", [_node("torch.ops.aten.copy_.default", [("self", _tensor("p_w0")), ("src", _tensor("x"))],
+                             "copied")], "(aten::copy_.default) writes in place into the parameter w0"),
+        ("eval.json", [_node("torch.ops.aten.view.default", [("self", _tensor("p_w1")), ("size", {"as_ints": [-1]})],
+                             "flat"),
+                       _node("torch.ops.aten.index_put_.default", [("self", _tensor("flat")), ("indices",
+                             {"as_optional_tensors": [_tensor("y")]}), ("values", _tensor("y"))], "put")],
+         "(aten::index_put_.default) writes in place into the parameter w1"),
+        # the training program changes its parameters only through the optimizer
+        ("train.json", [_node("torch.ops.aten.add_.Tensor", [("self", _tensor("p_w0")), ("other", {"as_int": 1})],
+                              "added")], "(aten::add_.Tensor) writes in place into the parameter w0"),
+        # and never the owner's batch, through a view of it either
+        ("train.json", [_node("torch.ops.aten.reshape.default", [("self", _tensor("x")), ("shape", {"as_ints": [-1]})],
+                              "flat"),
+                        _node("torch.ops.aten.fill_.Scalar", [("self", _tensor("flat")), ("value", {"as_int": 0})],
+                              "zeroed")], "(aten::fill_.Scalar) writes in place into an input of the program"),
+    ],
+)  # fmt: skip
+def test_an_in_place_write_into_the_batch_or_a_weight_is_refused_at_load(author, tmp_path, program, nodes, words):
+    archive = _resigned_program(author, tmp_path / "p.fastjob", program, _with_nodes(nodes))
+    done = _owner(author, "inspect", str(archive), cwd=tmp_path)
+    _one_line(done, f"{program}: node", words, "do not train it")
+
+
+# -- the owner decides on trust -------------------------------------------------------------------------------------
+COMPARE = '[package]\npath = "{archive}"\n[data]\nname = "digits"\n[[variant]]\nname = "sync"\n'
+
+
+@pytest.mark.parametrize("command", ["train", "run", "compare"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_package_no_trusted_key_verified_is_refused_without_unsigned(author, tmp_path, command, signed):
+    archive = author[1] if signed else pack(JOB, tmp_path / "unsigned.fastjob")
+    (tmp_path / "loop.py").write_text("raise SystemExit('the script ran')\n")
+    (tmp_path / "compare.toml").write_text(COMPARE.format(archive=archive))
+    argv = {"train": ["train", str(archive)], "run": ["run", "--config", str(archive), str(tmp_path / "loop.py")],
+            "compare": ["compare", str(tmp_path / "compare.toml")]}[command]  # fmt: skip
+    done = subprocess.run([FAST, *argv, "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)  # fmt: skip
+    state = "is signed, but its signature is not verified" if signed else "is not signed"
+    _one_line(done, state, "give its author's public key with --trust KEY.pub", "or pass --unsigned")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_owner_says_so_to_train_an_unverified_package_and_inspect_needs_no_key(author, tmp_path):
+    with pytest.raises(PackageError, match="is signed, but its signature is not verified"):
+        fast.train(str(author[1]), data__name="digits")
+    assert load_config(str(author[1]), data__name="digits", package__unsigned=True).package.unsigned
+    shown = subprocess.run([FAST, "inspect", str(author[1])], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "(not verified: pass --trust)" in shown.stdout, shown.stderr
+
+
+def test_a_package_cannot_decide_the_owners_trust_or_limits(author, tmp_path):
+    """A [package] table in the package's own config (unsigned, a raised budget) is refused: fast pack never writes
+    one, and the owner's trust and limits are the owner's."""
+    folder, archive = author
+    members = _members(archive)
+    members["config.toml"] += b"\n[package]\nunsigned = true\nmax_node_gib = 1000\n"
+    altered = write_archive(tmp_path / "p.fastjob", members, folder / "author.key")
+    with pytest.raises(PackageError, match="its config.toml or schema.json is malformed"):
+        read_package(altered, folder / "author.pub")
+
+
+# -- every end record of the zip ----------------------------------------------------------------------------------
+def test_a_zip64_end_record_that_lies_past_the_classic_one_is_refused_before_zipfile_reads_it(author, tmp_path,
+                                                                                             monkeypatch):  # fmt: skip
+    """A real zip of 70,000 entries (zip64: its classic end record cannot count them), whose classic end record is
+    then made to claim the 8 entries and small directory of a package; zipfile takes the zip64 record's counts."""
+    liar = tmp_path / "liar.fastjob"
+    with zipfile.ZipFile(liar, "w") as out:
+        for name, data in _entries(author):
+            out.writestr(name, data)
+        for i in range(70_000 - 8):
+            out.writestr(f"m{i}", b"")
+    data = bytearray(liar.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    assert data.rfind(b"PK\x06\x07") == end - 20  # the zip64 locator, then the classic end record
+    data[end + 8 : end + 16] = struct.pack("<HHI", 8, 8, 1000)  # entries on this disk, in all; directory bytes
+    liar.write_bytes(bytes(data))
+    assert len(zipfile.ZipFile(liar).infolist()) == 70_000  # what zipfile believes
+
+    parsed = []
+    original = zipfile.ZipFile._RealGetContents
+    monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", lambda self: parsed.append(1) or original(self))
+    started = time.perf_counter()
+    with pytest.raises(PackageError, match="has 70,000 entries, more than a package has: do not train it"):
+        read_package(liar, author[0] / "author.pub")
+    assert time.perf_counter() - started < 0.1 and not parsed

@@ -149,13 +149,14 @@ def test_fast_predict_takes_a_package_as_fast_train_does(tmp_path, capsys):
            "network": {"bandwidth": "20Mbit", "latency": "20ms"}}  # fmt: skip
     archive = fast.pack(job, tmp_path / "mlp.fastjob", open_keys=("strategy.*",))
     source = predict(load_config(job), dataset=load_dataset("digits"))
-    assert main(["predict", str(archive), "--set", "data.name=digits"]) == 0
+    assert main(["predict", str(archive), "--unsigned", "--set", "data.name=digits"]) == 0
     out = capsys.readouterr().out
     assert "model packed (mlp.fastjob): 50,826 parameters" in out and " sync " in out
-    packed = print_predictions(str(archive), Console(width=200), data__name="digits", strategy__name="local-sgd")
+    packed = print_predictions(str(archive), Console(width=200), data__name="digits", strategy__name="local-sgd",
+                               package__unsigned=True)  # fmt: skip
     assert packed[0].strategy == "local-sgd" and packed[0].message_bytes == source.message_bytes == MLP_BYTES
     assert packed[0].link == source.link == LINK
     # the package was made for 8x8 digits, not the synthetic data's 28x28
-    assert main(["predict", str(archive), "--set", "data.name=synthetic"]) == 2
+    assert main(["predict", str(archive), "--unsigned", "--set", "data.name=synthetic"]) == 2
     assert "the package was made for float32 of shape (1, 8, 8)" in capsys.readouterr().err
     assert main(["predict", str(tmp_path / "missing.toml"), "--set", "run.workers=3"]) == 2

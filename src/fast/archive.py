@@ -18,11 +18,12 @@ The archive is a zip of:
 Programs are torch.export graphs with every node's metadata (stack traces, module paths and class names)
 removed and parameters named neutrally; the author keeps the map back to the real names beside the archive.
 
-Reading (`read_package`) trusts nothing before it is checked: the zip's directory first (at most a few entries,
-plain names, no duplicates), then the manifest and its signature, then only the members the manifest lists, each
-streamed up to its declared size and cap while its SHA-256 is computed, then the programs against the operator
-allow-list (fast.operators). A member that is unlisted, missing, duplicated, larger than declared or over its
-cap is refused before it is decompressed any further.
+Reading (`read_package`) trusts nothing before it is checked: the zip's directory first (at most a few entries by
+its classic end record and by any zip64 end record, plain names, no duplicates), then the manifest and its
+signature, then only the members the manifest lists, each streamed up to its declared size and cap while its
+SHA-256 is computed, then the programs against the operator allow-list (fast.operators). A member that is
+unlisted, missing, duplicated, larger than declared or over its cap is refused before it is decompressed any
+further.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 
 from fast.errors import PackageError
+from fast.ownership import holds_only_packed_tables
 from fast.program import WEIGHT_NAME, Graph, read_graph
 
 FORMAT = 2  # 2: member sizes in the manifest, opened and fixed keys in the schema
@@ -158,18 +160,49 @@ def read_package(path: str | Path, trusted_key: str | Path | None = None) -> Pac
 
 
 def _check_directory(path: Path, raw: Any) -> None:
-    """Refuse a zip whose directory holds more entries than a package has, before zipfile reads them all."""
+    """Refuse a zip whose directory holds more entries than a package has, before zipfile reads them all: by its
+    classic end record and, where a zip64 locator precedes it, by every zip64 end record zipfile may take instead
+    (the one just before the locator, and the one the locator points at)."""
     size = raw.seek(0, os.SEEK_END)
-    raw.seek(max(0, size - (1 << 16) - 22))
+    start = max(0, size - (1 << 16) - 22)
+    raw.seek(start)
     tail = raw.read()
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or len(tail) - at < 22:
         raise PackageError(f"package {path} is truncated or not a package (no zip directory): ask its author for it "
                            "again")  # fmt: skip
     entries, directory_size = struct.unpack("<HI", tail[at + 10 : at + 16])
-    if entries > 64 or directory_size > 64 * 1024:  # a package has 8
-        raise PackageError(f"package {path} has {entries} entries, more than a package has: do not train it")
+    records = [(entries, directory_size)]
+    locator_at = start + at - 20
+    if locator_at >= 0:
+        raw.seek(locator_at)
+        locator = raw.read(20)
+        if locator[:4] == b"PK\x06\x07":
+            (pointed,) = struct.unpack("<Q", locator[8:16])
+            for record_at in {locator_at - 56, pointed}:
+                if 0 <= record_at <= size - 56:
+                    raw.seek(record_at)
+                    record = raw.read(56)
+                    if record[:4] == b"PK\x06\x06":
+                        here, total, listed = struct.unpack("<QQQ", record[24:48])
+                        records.append((max(here, total), listed))
+    for entries, directory_size in records:
+        if entries > 64 or directory_size > 64 * 1024:  # a package has 8
+            raise PackageError(f"package {path} has {entries:,} entries, more than a package has: do not train it")
     raw.seek(0)
+
+
+def check_trust(package: Package, trusted_key: str | Path | None, unsigned: Any) -> None:
+    """The data owner's decision on trust, the one rule for every command that trains or runs a package: its
+    signature verified with `trusted_key` (read_package did), or the owner said to train it unverified
+    (`unsigned`, `--unsigned`); else PackageError naming both. Only `fast inspect` reads a package without it."""
+    if unsigned not in (True, False, None):
+        raise PackageError(f"package.unsigned = {str(unsigned)[:20]!r}: give true or false")
+    if trusted_key is None and unsigned is not True:
+        state = "signed, but its signature is not verified" if package.signed_by else "not signed"
+        raise PackageError(f"package {package.path} is {state}: give its author's public key with --trust KEY.pub "
+                           "(package.trusted_key), or pass --unsigned (package.unsigned = true) to train it "
+                           "unverified, as you would run its author's code")  # fmt: skip
 
 
 def _read(path: Path, archive: zipfile.ZipFile, trusted_key: str | Path | None) -> Package:
@@ -211,7 +244,7 @@ def _read(path: Path, archive: zipfile.ZipFile, trusted_key: str | Path | None) 
             raise PackageError(f"package {path}: member {name} is not the size its manifest declares: do not train it")
     members = {name: _member(path, archive, entries[name], sizes[name], listed[name]) for name in MEMBERS}
     schema = _checked_schema(path, members)
-    graphs = {name: read_graph(members[name], name) for name in PROGRAMS}
+    graphs = {name: read_graph(members[name], name, training=name == "train.json") for name in PROGRAMS}
     _check_programs(path, graphs, members, schema)
     return Package(path, members, manifest, signed_by, graphs)
 
@@ -245,9 +278,9 @@ def _checked_schema(path: Path, members: dict[str, bytes]) -> dict[str, Any]:
     """schema.json, once config.toml is known to be TOML and the schema to describe a batch, metrics and keys as
     fast pack writes them."""
     try:
-        tomllib.loads(members["config.toml"].decode())
+        ok = holds_only_packed_tables(tomllib.loads(members["config.toml"].decode()))
         schema = json.loads(members["schema.json"])
-        ok = isinstance(schema, dict) and schema["label"]["kind"] in ("class index", "tensor")
+        ok = ok and isinstance(schema, dict) and schema["label"]["kind"] in ("class index", "tensor")
         for part in (schema["input"], schema["label"]):
             ok = ok and part["dtype"] in DTYPES and all(type(v) is int and v >= 0 for v in part["shape"])
         words = [*schema["metrics"], *schema["derived"]]

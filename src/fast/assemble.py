@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fast.archive import PACKAGE_SUFFIX, read_package
+from fast.archive import PACKAGE_SUFFIX, check_trust, read_package
 from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, load_dict
 from fast.errors import ConfigError
@@ -179,17 +179,30 @@ def load_config(source: str | Path | dict[str, Any] | Config | None = None, **ov
     if packed and isinstance(source, Config):  # merged and checked when it was built: check only the overrides
         if dotted:
             with_package(apply_overrides({"package": data["package"]}, dotted))
-        return build_config(apply_overrides(data, dotted))
+        return _within_budget(build_config(apply_overrides(data, dotted)))
     data = apply_overrides(data, dotted)
     if packed:
         data = with_package(data)
-    return build_config(data)
+    elif isinstance(data.get("package"), dict) and set(data["package"]) - {"path"}:
+        raise ConfigError("--trust and --unsigned (package.*) apply to a packed job: give JOB.fastjob, or drop them")
+    return _within_budget(build_config(data))
+
+
+def _within_budget(config: Config) -> Config:
+    """The config, once no node of its package's programs allocates more than the owner's budget from constant
+    sizes (PackageError naming the node; sizes computed at run time are checked as it runs)."""
+    if config.package is not None:
+        for graph in read_package(config.package.path, config.package.trusted_key).graphs.values():
+            graph.check_budget(config.package.node_bytes)
+    return config
 
 
 def with_package(data: dict[str, Any]) -> dict[str, Any]:
-    """The packed job's config with the data owner's keys on top; ConfigError for a key that is not the owner's
-    to change (fast.ownership)."""
+    """The packed job's config with the data owner's keys on top; PackageError unless the owner trusts it (its
+    signature verified with `package.trusted_key`, or `package.unsigned`), ConfigError for a key that is not the
+    owner's to change (fast.ownership)."""
     package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
+    check_trust(package, data["package"].get("trusted_key"), data["package"].get("unsigned"))
     base, schema = package.config, package.schema
     packed = flat(base)
     changed = {key: value for key, value in flat(data).items() if value != packed.get(key)}

@@ -24,10 +24,20 @@ sizes near 2**31 and beyond (overflows in pooling and normalisation), integer di
 the smallest integer by -1, overloads on plain numbers, and the recurrent kernels given states of the wrong shape.
 Each is refused, or checked before the kernel runs (CHECKS). Kernels are C++ code of torch's: a package from an
 author one does not trust still deserves the sandbox one would give any program (a container without network).
+
+Sizes come from sizes: a value a graph uses as a size is a constant, a tensor's own size (sym_size, sym_numel) or
+integer arithmetic on those (SIZE_ARITHMETIC), never a number computed from the data, and at run time it is a
+Python int within LARGEST_SIZE. What a node allocates from the sizes and counts it is given (zeros, full, arange,
+expand, repeat, ...: ALLOCATIONS) is at most a budget of bytes per node, NODE_BYTES unless the owner raises it
+(package.max_node_gib); and no node writes in place (an argument its schema marks `a!`, or batch_norm's running
+statistics while it computes batch statistics: WRITES) into the owner's batch or a parameter, nor into a buffer
+outside the training program. fast.program applies these rules, at load where the values are constants and at
+run time where they are not.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -89,9 +99,14 @@ OVERLOADS: dict[str, frozenset[str]] = {
     "repeat_interleave": frozenset({"self_int"}),
 }  # fmt: skip
 RETURN_NO_TENSOR = frozenset({"sym_size.int", "sym_numel.default", "_assert_tensor_metadata.default"})
+# the only operators, with SIZE_ARITHMETIC, whose result a graph may use as a size: a tensor's own sizes
+SIZE_SOURCES = frozenset({"aten::sym_size.int", "aten::sym_numel.default"})
+NODE_BYTES = 4 << 30  # what one node may allocate from the sizes it is given, unless the owner raises it
 
 
-def _size(value: int) -> int:
+def _size(value: Any) -> int:
+    if type(value) is not int:
+        raise PackageError(f"its graph computes a size that is a {type(value).__name__}, not an integer")
     if not -LARGEST_SIZE <= value <= LARGEST_SIZE:
         raise PackageError(f"its graph computes a size of {value}, beyond {LARGEST_SIZE}")
     return value
@@ -156,8 +171,41 @@ class Allowed:
     def __init__(self, name: str, function: Callable[..., Any], types: dict[str, str] | None) -> None:
         self.name, self.function, self.types = name, function, types
         self.positional = types is None  # size arithmetic takes its operands in order
+        self.makes_size = self.positional or name in SIZE_SOURCES  # its result may be used as a size
+        if name in SIZE_SOURCES:  # a size at run time: a Python int within LARGEST_SIZE
+            self.function = lambda **arguments: _size(function(**arguments))
         check = CHECKS.get(name.removeprefix("aten::"))
         self.check = None if check is None else _malformed_is_refused(name, check)
+        packet = name.removeprefix("aten::").split(".")[0]
+        self.allocation = ALLOCATIONS.get(packet) if types is not None else None
+        schema = getattr(function, "_schema", None)
+        arguments = schema.arguments if schema is not None else []
+        self.written = frozenset(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
+        # the arguments its results may be views of (or, for an in-place operator, are)
+        returns_views = schema is not None and any(r.alias_info is not None for r in schema.returns)
+        self.viewed = frozenset(a.name for a in arguments if a.alias_info is not None) if returns_views else frozenset()
+
+    def allocates(self, arguments: dict[str, Any], node: str) -> int | None:
+        """The bytes the node `node` ("node 7 (aten::full.default)") allocates from its sizes (`arguments`: at
+        load, each argument's constant value or LATER), None where they are computed later; PackageError naming
+        the node for a count beyond LARGEST_SIZE or arguments it cannot read."""
+        if self.allocation is None:
+            return None
+        try:
+            return self.allocation(arguments)
+        except _Unknown:
+            return None
+        except PackageError as e:
+            raise PackageError(f"{node} {e}") from None
+        except (AttributeError, TypeError, IndexError, KeyError, ValueError, OverflowError):
+            raise PackageError(f"{node} is given sizes of the wrong kind or number") from None
+
+    def writes(self, constants: dict[str, Any]) -> frozenset[str]:
+        """The arguments it writes into in place, given its arguments' constant values (`constants`)."""
+        hidden = WRITES.get(self.name.removeprefix("aten::").split(".")[0])
+        if hidden is None or constants.get(hidden[0]) is False:
+            return self.written
+        return self.written | hidden[1]
 
     def is_size(self, argument: str) -> bool:
         """Whether `argument` is a size, dimension, count or index (an integer at most LARGEST_SIZE); a slice's
@@ -304,4 +352,151 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {  # by operator.overload,
         for name in ("div", "div_")
         for overload in ("Tensor_mode", "Scalar_mode")
     },
+}
+
+
+# -- in-place writes a schema does not mark -----------------------------------------------------------------------
+# batch_norm and instance_norm update their running statistics in place while they compute batch statistics
+# (their flag true), though their schemas mark no argument written
+WRITES: dict[str, tuple[str, frozenset[str]]] = {
+    "batch_norm": ("training", frozenset({"running_mean", "running_var"})),
+    "instance_norm": ("use_input_stats", frozenset({"running_mean", "running_var"})),
+}
+
+
+# -- what a node allocates from the sizes and counts it is given --------------------------------------------------
+class Later:
+    """The value of an argument that is computed at run time (at load, an allocation that needs it waits for it)."""
+
+
+LATER = Later()
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _known(value: Any) -> Any:
+    if value is LATER:
+        raise _Unknown
+    return value
+
+
+def _count(sizes: Any) -> int:
+    """The elements of a tensor of `sizes` (a negative size, which the kernel refuses, counts as none)."""
+    total = 1
+    for size in _known(sizes):
+        total *= max(int(_known(size)), 0)
+    return total
+
+
+def _itemsize(arguments: dict[str, Any], default: torch.dtype, like: str = "self") -> int:
+    """The bytes of an element of the new tensor: its `dtype`, or that of the tensor it is made like; at load,
+    when that tensor is not known yet, 1 (a lower bound: the exact size is checked at run time)."""
+    dtype = arguments.get("dtype")
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    tensor = arguments.get(like)
+    if tensor is LATER:
+        return 1
+    return tensor.dtype.itemsize if torch.is_tensor(tensor) else default.itemsize
+
+
+def _numel(arguments: dict[str, Any], name: str = "self") -> int:
+    tensor = _known(arguments[name])
+    return tensor.numel() if torch.is_tensor(tensor) else 1
+
+
+def _by_size(arguments: dict[str, Any]) -> int:
+    """zeros, full, rand, randint, new_zeros, ...: a tensor of `size`."""
+    if "size" not in arguments:  # normal(mean, std) and the like: a tensor of their tensors' shapes
+        return 0
+    fill = arguments.get("fill_value")
+    default = torch.int64 if type(fill) is int or "high" in arguments else torch.get_default_dtype()
+    return _count(arguments["size"]) * _itemsize(arguments, torch.bool if type(fill) is bool else default)
+
+
+def _expanded(arguments: dict[str, Any]) -> int:
+    """expand: a view that spans prod(size) elements, which the next operator that copies it allocates (-1 keeps
+    the tensor's size; at load, before the tensor is known, it counts as 1)."""
+    size, tensor = [int(_known(s)) for s in _known(arguments["size"])], arguments["self"]
+    if tensor is not LATER:
+        shape = [1] * (len(size) - tensor.dim()) + list(tensor.shape)
+        size = [shape[i] if s == -1 and i < len(shape) else s for i, s in enumerate(size)]
+    return _count([1 if s == -1 else s for s in size]) * _itemsize(arguments, torch.get_default_dtype())
+
+
+def _scalar(arguments: dict[str, Any], name: str, default: float) -> float:
+    value = _known(arguments.get(name, default))
+    value = float(value.item() if torch.is_tensor(value) else value)
+    if not abs(value) <= LARGEST_SIZE:  # and not nan
+        raise PackageError(f"is given {name}={value:g}, beyond {LARGEST_SIZE}")
+    return value
+
+
+def _arange(arguments: dict[str, Any]) -> int:
+    start, end = _scalar(arguments, "start", 0), _scalar(arguments, "end", 0)
+    step = _scalar(arguments, "step", 1)
+    count = max(math.ceil((end - start) / step), 0) if step else 0
+    if count > LARGEST_SIZE:
+        raise PackageError(f"is asked for {count:,} values, more than {LARGEST_SIZE}")
+    numbers = [arguments.get(name, 0) for name in ("start", "end", "step")]
+    default = torch.int64 if all(type(v) is int for v in numbers) else torch.get_default_dtype()
+    return count * _itemsize(arguments, default, like="")
+
+
+def _counted(arguments: dict[str, Any], name: str, default: torch.dtype) -> int:
+    """linspace(steps), randperm(n): a tensor of that many elements."""
+    return max(int(_known(arguments[name])), 0) * _itemsize(arguments, default, like="")
+
+
+def _one_hot(arguments: dict[str, Any]) -> int:
+    classes = int(_known(arguments.get("num_classes", -1)))
+    if classes < 0:
+        raise PackageError("is given no number of classes, which it would take from the data")
+    return _numel(arguments) * classes * torch.int64.itemsize
+
+
+def _repeated(name: str) -> Callable[[dict[str, Any]], int]:
+    def allocation(arguments: dict[str, Any]) -> int:
+        times = _known(arguments[name])
+        times = _count(times) if isinstance(times, list | tuple) else max(int(times), 0)
+        return _numel(arguments) * times * _itemsize(arguments, torch.get_default_dtype())
+
+    return allocation
+
+
+def _padded(arguments: dict[str, Any]) -> int:
+    tensor, pad = _known(arguments["self"]), [int(_known(p)) for p in _known(arguments["pad"])]
+    shape = list(tensor.shape)
+    for i in range(min(len(pad) // 2, len(shape))):
+        shape[-1 - i] += pad[2 * i] + pad[2 * i + 1]
+    return _count(shape) * tensor.dtype.itemsize
+
+
+def _upsampled(arguments: dict[str, Any]) -> int:
+    tensor = _known(arguments["input"] if "input" in arguments else arguments["self"])
+    size = _known(arguments.get("output_size"))
+    if size is None:
+        factors = _known(arguments.get("scale_factors")) or []
+        size = [math.floor(n * float(f)) for n, f in zip(tensor.shape[2:], factors, strict=False)]
+    return _count([*tensor.shape[:2], *size]) * tensor.dtype.itemsize
+
+
+# by operator (not its in-place form, which allocates nothing): the bytes of the tensor it makes, from its
+# arguments; PackageError for a count beyond LARGEST_SIZE, _Unknown (at load) when it needs a value computed later
+ALLOCATIONS: dict[str, Callable[[dict[str, Any]], int]] = {
+    **{name: _by_size for name in "zeros ones full rand randn randint normal new_zeros new_ones new_full".split()},
+    "expand": _expanded,
+    "arange": _arange,
+    "linspace": lambda arguments: _counted(arguments, "steps", torch.get_default_dtype()),
+    "randperm": lambda arguments: _counted(arguments, "n", torch.int64),
+    "one_hot": _one_hot,
+    "repeat": _repeated("repeats"),
+    "tile": _repeated("dims"),
+    "repeat_interleave": _repeated("repeats"),
+    "constant_pad_nd": _padded,
+    "pad": _padded,
+    "upsample_nearest2d": _upsampled,
+    "upsample_bilinear2d": _upsampled,
 }

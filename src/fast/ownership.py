@@ -28,6 +28,8 @@ AUTHOR = ("optimizer.*", "schedule.*", "run.epochs", "run.max_steps", "run.max_s
           "run.accumulate", "run.precision")  # fmt: skip
 TABLES = ("run", "data", "model", "step", "eval", "optimizer", "schedule", "strategy", "codec", "network", "compute",
           "faults", "package")  # fmt: skip
+# the tables a package's config never holds: the author's code and data (not in the package), the owner's trust
+NOT_PACKED = ("model", "step", "eval", "data", "package")
 
 
 def _matches(key: str, patterns: tuple[str, ...] | list[str]) -> bool:
@@ -56,6 +58,12 @@ def check_owner_keys(changed: dict[str, object], opened: list[str], fixed: list[
             who = "fixed by the package's author" if _matches(key, fixed) else "the package author's training recipe"
             raise ConfigError(f"`{key}` is {who} (open keys: {', '.join(opened) or 'none'}; fixed keys: "
                               f"{', '.join(fixed) or 'none'}); drop it from the config")  # fmt: skip
+
+
+def holds_only_packed_tables(config: dict[str, object]) -> bool:
+    """Whether a package's config.toml holds only tables a package may hold (`fast pack` writes no others: a
+    [package] table would decide the owner's trust and limits)."""
+    return all(table in TABLES and table not in NOT_PACKED for table in config)
 
 
 def check_patterns(opened: tuple[str, ...], fixed: tuple[str, ...]) -> None:

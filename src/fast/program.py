@@ -5,6 +5,12 @@ Python (the guards on input shapes, and symbolic sizes through sympy) and would 
 reads only the graph's signature (parameters, buffers, inputs, outputs) and its nodes, checks every node against
 the operator allow-list (fast.operators) before anything runs, and then runs the nodes in order on the package's
 weights and the owner's batch. Nothing else torch.export writes beside them is read.
+
+Beyond each node's operator and arguments, the reader applies the allow-list's rules on values (fast.operators):
+a size comes only from a tensor's sizes and arithmetic on them; no node allocates more than the budget from the
+sizes it is given (checked here where they are constants, Graph.check_budget, and again at run time where they
+are not); and no node writes in place into the owner's batch or a parameter, or into a buffer outside the
+training program (which updates running statistics), through a view of one included.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from typing import Any
 import torch
 
 from fast.errors import PackageError
-from fast.operators import DEVICES, DTYPES, LARGEST_SIZE, LAYOUTS, MEMORY_FORMATS, Allowed, allowed
+from fast.operators import DEVICES, DTYPES, LARGEST_SIZE, LATER, LAYOUTS, MEMORY_FORMATS, NODE_BYTES, Allowed, allowed
 
 SCHEMA_MAJOR = 8  # the version of torch.export's graph format this reader knows
 WEIGHT_NAME = {"parameter": re.compile(r"w\d{1,6}"), "buffer": re.compile(r"b\d{1,6}")}
 _DEVICE = object()  # the key of the device the program runs on among a run's values
+_BUDGET = object()  # the key of the bytes one node may allocate from the sizes it is given
+_RUN_TIME = frozenset({"as_tensor", "as_tensors", "as_optional_tensors", "as_device"})  # values known only then
+GiB = 1 << 30
 Get = Callable[[dict[Any, Any]], Any]
 
 
@@ -39,6 +48,7 @@ class Node:
     arguments: tuple[tuple[str, Get], ...]
     outputs: tuple[Any, ...]  # per result: a name, a tuple of names (a list of tensors), or None (unused)
     done_with: tuple[str, ...]
+    label: str  # "node 12 (aten::full.default)"
 
     def run(self, values: dict[Any, Any]) -> None:
         if self.operator.positional:
@@ -47,6 +57,8 @@ class Node:
             arguments = {name: get(values) for name, get in self.arguments}
             if self.operator.check is not None:
                 self.operator.check(arguments)
+            if self.operator.allocation is not None:
+                within_budget(self.label, self.operator.allocates(arguments, self.label) or 0, values[_BUDGET])
             result = self.operator.function(**arguments)
         if self.outputs:
             results = result if len(self.outputs) > 1 else (result,)
@@ -71,6 +83,8 @@ class Graph:
     inputs: tuple[str, ...]
     nodes: tuple[Node, ...]
     outputs: tuple[str, ...]
+    allocations: tuple[tuple[str, int], ...]  # (node, bytes) of every node whose allocation is known at load
+    what: str  # "train.json", which names it in errors
 
     @property
     def weight_names(self) -> list[str]:
@@ -80,23 +94,47 @@ class Graph:
     def operators(self) -> set[str]:
         return {node.operator.name for node in self.nodes}
 
-    def run(self, tensors: Mapping[str, torch.Tensor], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The program's outputs on `inputs`, with the parameters and buffers `tensors` (by name: w0, ... b0)."""
+    def check_budget(self, budget: int = NODE_BYTES) -> None:
+        """PackageError, naming the node, when a node allocates more than `budget` bytes from constant sizes."""
+        for label, size in self.allocations:
+            within_budget(f"{self.what}: {label}", size, budget)
+
+    def run(self, tensors: Mapping[str, torch.Tensor], *inputs: torch.Tensor,
+            budget: int = NODE_BYTES) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The program's outputs on `inputs`, with the parameters and buffers `tensors` (by name: w0, ... b0); no
+        node may allocate more than `budget` bytes from the sizes it is given."""
         if len(inputs) != len(self.inputs):
             raise PackageError(f"the packed program takes {len(self.inputs)} inputs, not {len(inputs)}")
         values: dict[Any, Any] = {value: tensors[name] for value, name in self.weights}
         values.update(zip(self.inputs, inputs, strict=True))
         values[_DEVICE] = inputs[0].device
-        for node in self.nodes:
-            node.run(values)
+        values[_BUDGET] = budget
+        try:
+            for node in self.nodes:
+                node.run(values)
+        except PackageError as e:
+            raise PackageError(f"{self.what}: {e}") from None
         return tuple(values[name] for name in self.outputs)
 
 
-def read_graph(data: bytes, what: str) -> Graph:
-    """The program in `data` (torch.export's JSON), every node checked against the operator allow-list;
+def within_budget(label: str, size: int, budget: int) -> None:
+    """PackageError naming the node `label` when it would allocate `size` bytes, over `budget`."""
+    if size > budget:
+        raise PackageError(f"{label} would allocate {_gib(size)} from the sizes it is given, over the "
+                           f"{_gib(budget)} one node may: if you trust this package to need it, raise "
+                           "package.max_node_gib; else do not train it")  # fmt: skip
+
+
+def _gib(size: int) -> str:
+    return f"{size / GiB:,.0f} GiB" if size >= 1000 * GiB else f"{size / GiB:.3g} GiB"
+
+
+def read_graph(data: bytes, what: str, *, training: bool = False) -> Graph:
+    """The program in `data` (torch.export's JSON), every node checked against the operator allow-list and its
+    rules on sizes and in-place writes (a training program may write into its buffers: running statistics);
     PackageError, in one line that names `what` (e.g. "train.json"), for anything else."""
     try:
-        return _Reader().read(data)
+        return _Reader(what, training).read(data)
     except PackageError as e:
         raise PackageError(f"{what}: {e}") from None
     except (Malformed, KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
@@ -111,9 +149,13 @@ def _one(argument: Any) -> tuple[str, Any]:
 
 
 class _Reader:
-    def __init__(self) -> None:
+    def __init__(self, what: str, training: bool) -> None:
+        self.what, self.training = what, training
         self.kinds: dict[str, str] = {}  # every value made so far: "tensor" or "int"
         self.reads: list[str] = []  # the values the node being read uses
+        self.guarded: dict[str, str] = {}  # the values no node may write into (inputs, weights): what each is
+        self.views: dict[str, frozenset[str]] = {}  # the guarded values a value may be a view of
+        self.label = ""  # the node being read
 
     def read(self, data: bytes) -> Graph:
         program = json.loads(data)
@@ -130,11 +172,16 @@ class _Reader:
                 if not isinstance(name, str) or not WEIGHT_NAME[kind].fullmatch(name):
                     raise Malformed(f"a {kind} is named {str(name)[:40]!r}, not as fast pack names them")
                 weights.append((self.make(body["arg"]["name"], "tensor"), name))
+                if kind == "parameter" or not self.training:
+                    self.guarded[weights[-1][0]] = f"the {kind} {name}"
             elif kind == "user_input":
                 inputs.append(self.make(self.tensor_name(body["arg"]), "tensor"))
+                self.guarded[inputs[-1]] = "an input of the program (the owner's batch)"
             else:
                 raise PackageError(f"its program takes a {kind} input, which packages may not have")
-        nodes = [self.node(node) for node in graph["nodes"]]
+        if not isinstance(graph["nodes"], list):
+            raise Malformed("its nodes are not a list")
+        nodes = [self.node(i, node) for i, node in enumerate(graph["nodes"])]
         made = [*(value for value, _ in weights), *inputs]
         outputs = []
         for spec in signature["output_specs"]:
@@ -144,7 +191,9 @@ class _Reader:
             outputs.append(self.use(self.tensor_name(body["arg"]), "tensor"))
         if [self.tensor_name(output) for output in graph["outputs"]] != outputs:
             raise Malformed("its outputs are not its signature's")
-        return Graph(tuple(weights), tuple(inputs), _with_lifetimes(made, nodes, outputs), tuple(outputs))
+        allocations = tuple((p.label, p.allocation) for p in nodes if p.allocation is not None)
+        return Graph(tuple(weights), tuple(inputs), _with_lifetimes(made, nodes, outputs), tuple(outputs),
+                     allocations, self.what)  # fmt: skip
 
     def make(self, name: Any, kind: str) -> str:
         if not isinstance(name, str) or name in self.kinds:
@@ -165,9 +214,12 @@ class _Reader:
             raise PackageError(f"its program passes a {kind} where only tensors may go")
         return body["name"]
 
-    def node(self, node: dict[str, Any]) -> _Parsed:
+    def node(self, index: int, node: dict[str, Any]) -> _Parsed:
         operator = allowed(node["target"])
+        self.label = f"node {index} ({operator.name})"
         arguments, seen, self.reads = [], set(), []
+        constants: dict[str, Any] = {}  # each argument's value where it is a constant, LATER where it is not
+        uses: dict[str, list[str]] = {}  # the tensors each argument passes
         for entry in node["inputs"]:
             name = entry["name"]
             if not isinstance(name, str) or name in seen:
@@ -181,22 +233,49 @@ class _Reader:
                 raise PackageError(f"its graph passes {operator.name} the string {str(body)[:40]!r} as {name!r}")
             if operator.is_size(name) and not _small(kind, body):
                 raise PackageError(f"its graph passes {operator.name} a size beyond {LARGEST_SIZE} as {name!r}")
+            before = len(self.reads)
             arguments.append((name, self.value(kind, body)))
+            uses[name] = self.reads[before:]
+            constants[name] = LATER if kind in _RUN_TIME else _static(kind, body)
         reads = self.reads
-        outputs = tuple(self.output(output) for output in node["outputs"])
-        return _Parsed(operator, tuple(arguments), outputs, tuple(reads))
+        self.check_writes(operator, constants, uses)
+        allocation = operator.allocates(constants, self.label)
+        viewed = frozenset().union(*(self.views_of(uses[name]) for name in operator.viewed if name in uses))
+        outputs = tuple(self.output(operator, output, viewed) for output in node["outputs"])
+        return _Parsed(operator, tuple(arguments), outputs, tuple(reads), self.label, allocation)
 
-    def output(self, output: Any) -> Any:
+    def views_of(self, names: list[str]) -> frozenset[str]:
+        """The guarded values that the values `names` are, or may be views of."""
+        return frozenset(n for n in names if n in self.guarded).union(*(self.views.get(n, ()) for n in names))
+
+    def check_writes(self, operator: Allowed, constants: dict[str, Any], uses: dict[str, list[str]]) -> None:
+        """PackageError when the node writes in place into a guarded value (an input, a weight), or a view of one."""
+        for argument in sorted(operator.writes(constants)):
+            for target in sorted(self.views_of(uses.get(argument, []))):
+                raise PackageError(f"{self.label} writes in place into {self.guarded[target]} (through {argument!r}): "
+                                   "a program may not change the owner's batch, its parameters, or, outside "
+                                   "training, its buffers; do not train it")  # fmt: skip
+
+    def output(self, operator: Allowed, output: Any, viewed: frozenset[str]) -> Any:
         kind, body = _one(output)
+        if kind == "as_sym_int" and not operator.makes_size:
+            raise PackageError(f"{self.label} gives a size, but sizes come only from sym_size, sym_numel and "
+                               "arithmetic on them (never from the data): do not train it")  # fmt: skip
+        if operator.makes_size and kind not in ("as_sym_int", "as_none"):
+            raise PackageError(f"{self.label} gives its size as a {kind.removeprefix('as_')}: do not train it")
         if kind == "as_tensor":
-            return self.make(body["name"], "tensor")
-        if kind == "as_tensors":
-            return tuple(self.make(item["name"], "tensor") for item in body)
-        if kind == "as_sym_int" and set(body) == {"as_name"}:
+            made = self.make(body["name"], "tensor")
+        elif kind == "as_tensors":
+            made = tuple(self.make(item["name"], "tensor") for item in body)
+        elif kind == "as_sym_int" and set(body) == {"as_name"}:
             return self.make(body["as_name"], "int")
-        if kind == "as_none":
+        elif kind == "as_none":
             return None
-        raise PackageError(f"its graph has a node whose result is a {kind.removeprefix('as_')}")
+        else:
+            raise PackageError(f"its graph has a node whose result is a {kind.removeprefix('as_')}")
+        if viewed:
+            self.views.update(dict.fromkeys(made if isinstance(made, tuple) else (made,), viewed))
+        return made
 
     def value(self, kind: str, body: Any) -> Get:
         """A getter of the argument's value at run time: a constant, or a value made earlier."""
@@ -247,6 +326,15 @@ def _constant(value: Any) -> Get:
     return lambda values: value
 
 
+def _static(kind: str, body: Any) -> Any:
+    """An argument's value as far as it is known at load: constants as they run, LATER for computed sizes."""
+    if kind == "as_sym_int":
+        return body["as_int"] if "as_int" in body else LATER
+    if kind == "as_sym_ints":
+        return [item["as_int"] if "as_int" in item else LATER for item in body]
+    return _literal(kind, body)
+
+
 def _literal(kind: str, body: Any) -> Any:
     """A constant argument, checked to be of its kind."""
 
@@ -279,6 +367,8 @@ class _Parsed:
     arguments: tuple[tuple[str, Get], ...]
     outputs: tuple[Any, ...]
     reads: tuple[str, ...]
+    label: str
+    allocation: int | None  # the bytes it allocates, where its sizes are constants
 
     @property
     def made(self) -> list[str]:
@@ -295,4 +385,5 @@ def _with_lifetimes(inputs: list[str], parsed: list[_Parsed], outputs: list[str]
     done: dict[int, list[str]] = {}
     for name, i in last.items():
         done.setdefault(i, []).append(name)
-    return tuple(Node(p.operator, p.arguments, p.outputs, tuple(done.get(i, ()))) for i, p in enumerate(parsed))
+    return tuple(Node(p.operator, p.arguments, p.outputs, tuple(done.get(i, ())), p.label)
+                 for i, p in enumerate(parsed))  # fmt: skip

@@ -287,6 +287,13 @@ class PackageConfig(Section):
 
     path: str = Field(description="the .fastjob archive")
     trusted_key: str | None = Field(None, description="the author's ed25519 public key (PEM): refuse all else")
+    unsigned: bool = Field(False, description="train it though no trusted key verified it (`--unsigned`)")
+    max_node_gib: float = Field(4.0, gt=0, description="the GiB one node of its programs may allocate from the sizes "
+                                "it is given (zeros, full, arange, expand, ...)")  # fmt: skip
+
+    @property
+    def node_bytes(self) -> int:
+        return int(self.max_node_gib * (1 << 30))
 
 
 # what FAST's own loop builds from the config, and a user's own loop does for itself

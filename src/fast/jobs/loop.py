@@ -91,11 +91,16 @@ def packaged(config: Config) -> Package:
     return read_package(config.package.path, config.package.trusted_key)
 
 
+def packed_model(config: Config) -> PackedModel:
+    """The packed job's model, each node of its programs held to the owner's budget (package.max_node_gib)."""
+    return PackedModel(packaged(config), budget=config.package.node_bytes)
+
+
 def packed_job(config: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A packed job's model and its author's optimizer, for the data owner's own loop (`fast.packaged`)."""
     if config.package is None:
         raise UsageError("fast.packaged(): the run names no package: start it with `fast run --config JOB.fastjob`")
-    model = PackedModel(packaged(config))
+    model = packed_model(config)
     return model, build_optimizer(config.optimizer, model.parameters())
 
 
@@ -142,7 +147,7 @@ def _shape_and_classes(train: Dataset) -> dict[str, Any]:
 def model_for(config: Config, train: Dataset, user: UserCode) -> nn.Module:
     """The model, the same on every worker (seeded): the Python model_fn, `model.factory`'s, or the built-in."""
     if config.package is not None:
-        return PackedModel(packaged(config))
+        return packed_model(config)
     known = _shape_and_classes(train)
     torch.manual_seed(config.run.seed)
     if user.model_fn is not None:

@@ -12,16 +12,21 @@ from torch import nn
 from fast.archive import Package
 from fast.errors import PackageError
 from fast.jobs.evaluate import EvalFn
+from fast.operators import NODE_BYTES
 
 
 # -- the model --------------------------------------------------------------------------------------------------
 class PackedModel(nn.Module):
     """The packed job's model: called with a batch (x, y) it returns the loss in training mode, and (loss, metric,
     ...) in evaluation mode. Its parameters and buffers (w0, w1, ... b0, ...) are held by `program` (model.pt's
-    keys are program.w0, ...), and both programs run on them."""
+    keys are program.w0, ...), and both programs run on them, no node of theirs allocating more than `budget`
+    bytes from the sizes it is given (PackageError, naming the node, here where the sizes are constants)."""
 
-    def __init__(self, package: Package) -> None:
+    def __init__(self, package: Package, budget: int = NODE_BYTES) -> None:
         super().__init__()
+        self.budget = budget
+        for graph in package.graphs.values():
+            graph.check_budget(budget)
         self.program = nn.Module()
         for name, tensor in package.weights().items():
             if name.startswith("w"):
@@ -33,7 +38,7 @@ class PackedModel(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
         tensors = {**self.program._parameters, **self.program._buffers}
-        outputs = self.graphs[self.training].run(tensors, x, y)
+        outputs = self.graphs[self.training].run(tensors, x, y, budget=self.budget)
         return outputs[0] if self.training else outputs
 
 

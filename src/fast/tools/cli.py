@@ -9,12 +9,17 @@ from typing import Any
 from fast.errors import ConfigError, FastError
 from fast.interrupts import held_interrupts, how_interrupted, stop_on_termination
 
+UNSIGNED = "a package: train it though no --trust key verified it (as you would run its author's code)"
 
-def _overrides(pairs: list[str], trust: str | None = None) -> dict[str, Any]:
-    """`--set key=value` pairs as `fast.train`'s overrides; `--trust KEY.pub` as the package's trusted key."""
+
+def _overrides(pairs: list[str], trust: str | None = None, unsigned: bool = False) -> dict[str, Any]:
+    """`--set key=value` pairs as `fast.train`'s overrides; `--trust KEY.pub` as the package's trusted key,
+    `--unsigned` as the owner's word to train a package no trusted key verified."""
     from fast.config import parse_value
 
     out: dict[str, Any] = {"package__trusted_key": str(trust)} if trust else {}
+    if unsigned:
+        out["package__unsigned"] = True
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
@@ -27,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fast.tools.start import train
     from fast.tools.summary_text import print_summary
 
-    overrides = _overrides(args.set, args.trust)
+    overrides = _overrides(args.set, args.trust, args.unsigned)
     summary = train(args.config, out=args.out, resume=args.resume, **overrides)
     if summary:  # under torchrun only rank 0 has it
         print_summary(summary)
@@ -38,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fast.tools.start import run_script
     from fast.tools.summary_text import print_summary
 
-    overrides = _overrides(args.set, args.trust)
+    overrides = _overrides(args.set, args.trust, args.unsigned)
     summary = run_script(
         args.script, args.args, workers=args.workers, config=args.config, out=args.out, resume=args.resume, **overrides
     )
@@ -77,7 +82,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.args and not args.script:
         raise ConfigError(f"fast compare: {' '.join(args.args)}: arguments for a script, but no --script SCRIPT given")
     script = {"script": args.script, "script_args": args.args} if args.script else {}
-    return 1 if compare(args.config, out=args.out, **script, **_overrides(args.set)).failed else 0
+    overrides = _overrides(args.set, args.trust, args.unsigned)
+    return 1 if compare(args.config, out=args.out, **script, **overrides).failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -90,7 +96,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from fast.tools.predict import print_predictions
 
-    print_predictions(args.config, **_overrides(args.set, args.trust))
+    print_predictions(args.config, **_overrides(args.set, args.trust, args.unsigned))
     return 0
 
 
@@ -134,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
     t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     t.add_argument("--trust", metavar="KEY.pub", help="a package: train it only if this author's key signed it")
+    t.add_argument("--unsigned", action="store_true", help=UNSIGNED)
     t.set_defaults(func=cmd_train)
     run = sub.add_parser(
         "run",
@@ -144,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", "-n", type=int, help="worker processes (default: the config's run.workers)")
     run.add_argument("--config", help="TOML config or JOB.fastjob; replaces the one the script gives fast.init")
     run.add_argument("--trust", metavar="KEY.pub", help="a package: run it only if this author's key signed it")
+    run.add_argument("--unsigned", action="store_true", help=UNSIGNED)
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     run.add_argument("--out", help="run folder (default runs/<name>-<timestamp>)")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -174,11 +182,14 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("config", help="TOML config, optionally with [[variant]] tables, or JOB.fastjob")
     pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a package: the owner's keys")
     pr.add_argument("--trust", metavar="KEY.pub", help="a package: only if this author's key signed it")
+    pr.add_argument("--unsigned", action="store_true", help=UNSIGNED)
     pr.set_defaults(func=cmd_predict)
     c = sub.add_parser("compare", help="run a base job's [[variant]]s one after another and report them")
     c.add_argument("config", help="TOML config: a base job plus [[variant]] tables overriding its keys")
     c.add_argument("--out", help="folder for the runs and report.html (default runs/<name>-compare-<time>)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key in all")
+    c.add_argument("--trust", metavar="KEY.pub", help="a package: run it only if this author's key signed it")
+    c.add_argument("--unsigned", action="store_true", help=UNSIGNED)
     c.add_argument("--script", help="your own training script (which calls fast.init), run as `fast run` does")
     c.add_argument("args", nargs="*", help="the script's own arguments, after -- (… --script S -- ARGS)")
     c.set_defaults(func=cmd_compare)

@@ -30,12 +30,11 @@ from fast.config import Config
 from fast.errors import PackageError
 from fast.factories import load_factory
 from fast.jobs.loop import UserCode, datasets, model_for, step_for
-from fast.ownership import check_patterns
+from fast.ownership import NOT_PACKED, check_patterns
 from fast.program import read_graph
 from fast.version import __version__
 
 MetricFn = Callable[[Any, torch.Tensor], dict[str, torch.Tensor]]
-AUTHOR_TABLES = ("model", "step", "eval", "data", "package")  # the author's code and data: not in the package
 
 
 class Exported(nn.Module):
@@ -94,7 +93,7 @@ def export(module: Exported, example: tuple[torch.Tensor, torch.Tensor], trainin
                            f"{_where(str(e))}") from None  # fmt: skip
     graph = json.dumps(_without_metadata(json.loads(serialize(program).exported_program))).encode()
     try:
-        read_graph(graph, "the training program" if training else "the evaluation program")
+        read_graph(graph, "the training program" if training else "the evaluation program", training=training)
     except PackageError as e:
         raise PackageError(f"the model cannot be packed: {e}") from None
     return graph
@@ -162,7 +161,7 @@ def pack(source: str | Path | dict[str, Any] | Config | None, out: str | Path, *
     index, blob = encode_tensors(initial)
     # perplexity = exp(mean loss) over the test set, when the job's targets ask for it (a language model)
     derived = ["perplexity"] if any(t.metric == "perplexity" for t in config.run.parsed_targets) else []
-    trained = {k: v for k, v in config.to_dict().items() if k not in AUTHOR_TABLES}
+    trained = {k: v for k, v in config.to_dict().items() if k not in NOT_PACKED}
     members = {
         "config.toml": tomli_w.dumps(trained).encode(),
         "schema.json": json.dumps(

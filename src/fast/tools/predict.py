@@ -244,14 +244,14 @@ def config_for_prediction(data: dict[str, Any]) -> Config:
 def predict_package(source: str | Path, **overrides: Any) -> list[Prediction]:
     """The prediction for a packed job (with the data owner's keys on top, as `fast train` takes them): its own
     model and loss, timed on the data set the config names."""
-    from fast.jobs.loop import packaged
-    from fast.jobs.package import PackedModel, check_data, packed_step
+    from fast.jobs.loop import packaged, packed_model
+    from fast.jobs.package import check_data, packed_step
 
     config = load_config(source, **overrides)
     dataset = _dataset(config)
     package = packaged(config)
     check_data(package.schema, TensorDataset(dataset.x_train[:1], dataset.y_train[:1]), "training")
-    model = _CountedPackage(PackedModel(package), dataset.y_train[:1])
+    model = _CountedPackage(packed_model(config), dataset.y_train[:1])
     prediction = predict(config, dataset=dataset, model=model, step_fn=lambda m, x, y: packed_step(m.packed, x, y))
     return [replace(prediction, model=f"packed ({Path(source).name})")]
 
