@@ -199,3 +199,18 @@ def test_an_expanded_view_spans_no_more_than_the_budget_whatever_copies_it():
     ]), "test")  # fmt: skip
     with pytest.raises(PackageError, match=r"node 0 \(aten::expand.default\) would allocate 4,096 GiB"):
         program.run({}, torch.ones(1, 1, 1))
+
+
+def test_only_the_training_program_updates_its_buffers():
+    """batch_norm's running statistics (buffers b0, b1) updated while it computes batch statistics: the training
+    program's way, refused in the evaluation program."""
+    graph = json.loads(_graph([("torch.ops.aten.batch_norm.default", {**BATCH_NORM, "training": True}, ["out"])]))
+    graph["graph_module"]["signature"]["input_specs"][:0] = [
+        {"buffer": {"arg": {"name": value}, "buffer_name": name}} for value, name in (("m", "b0"), ("v", "b1"))
+    ]
+    data = json.dumps(graph).encode()
+    with pytest.raises(PackageError, match=r"node 0 \(aten::batch_norm.default\) writes in place into the buffer b0"):
+        read_graph(data, "eval.json")
+    buffers = {"b0": torch.zeros(3), "b1": torch.ones(3)}
+    read_graph(data, "train.json", training=True).run(buffers, torch.randn(4, 3) + 5)
+    assert float(buffers["b0"].mean()) > 0.4  # the running mean moved towards the batch's (about 5)
