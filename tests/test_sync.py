@@ -99,10 +99,10 @@ def test_a_bucket_with_one_non_finite_gradient_sends_zeros_and_every_worker_lear
     bucket = Bucket(params, torch.zeros(17))
     params[0].grad, params[1].grad = torch.ones(3, 4), torch.ones(5)
     params[1].grad[2] = bad
-    assert not bucket.fill()
+    assert bool(bucket.fill())  # the device flag "not finite"
     assert torch.equal(bucket.grads, torch.zeros(17)) and float(bucket.count) == NONFINITE
     bucket.buffer[-1] += 3.0  # as if three workers with finite gradients had summed into it
-    assert not bucket.average()  # every worker's average is NaN: each skips the step (a GradScaler backs off)
+    assert bool(bucket.average())  # every worker's average is NaN: each skips the step (a GradScaler backs off)
     assert bool(bucket.grads.isnan().all())
 
 
@@ -110,8 +110,8 @@ def test_a_bucket_with_huge_finite_gradients_contributes_them():
     params = [torch.nn.Parameter(torch.zeros(1000))]
     bucket = Bucket(params, torch.zeros(1000))
     params[0].grad = torch.full((1000,), 3e38)  # their sum would overflow; they are still finite
-    assert bucket.fill()
+    assert not bool(bucket.fill())
     assert float(bucket.count) == 1.0 and torch.equal(bucket.grads, params[0].grad)
     bucket.buffer[-1] = 4.0  # as if four workers had summed into it
-    bucket.average()
+    assert not bool(bucket.average())
     assert torch.equal(bucket.grads, torch.full((1000,), 3e38 / 4))

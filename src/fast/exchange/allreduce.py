@@ -72,14 +72,25 @@ def worker_codec(name: str, options: dict[str, Any], rank: int) -> Codec:
     return build_codec(name, **options)
 
 
+Contributors = int | torch.Tensor  # how many workers contributed to a sum: a number, or a one-element device tensor
+
+
+def divide(total: torch.Tensor, contributors: Contributors) -> torch.Tensor:
+    """`total` divided in place by the number of contributors (at least 1), a number or a device tensor (not read)."""
+    if isinstance(contributors, torch.Tensor):
+        return total.div_(contributors.reshape(-1)[:1].clamp_min(1.0))
+    return total.div_(max(1, contributors))
+
+
 class PendingSum:
-    """A compressed sum under way: `wait()` completes it and returns how many workers contributed."""
+    """A compressed sum under way: `wait()` completes it and returns how many workers contributed (a device tensor
+    for the sums that run on the caller's thread: nothing is read back to the host)."""
 
-    def __init__(self, finish: Callable[[], int]) -> None:
+    def __init__(self, finish: Callable[[], Contributors]) -> None:
         self._finish = finish
-        self._contributors: int | None = None
+        self._contributors: Contributors | None = None
 
-    def wait(self) -> int:
+    def wait(self) -> Contributors:
         if self._contributors is None:
             self._contributors = self._finish()
         return self._contributors
@@ -118,12 +129,12 @@ class CompressedAllReduce:
         one-element tensor, 1 if this worker contributes, 0 if it sits out and NONFINITE if its values were not
         finite; it is replaced by the number of workers that contributed plus NONFINITE for each that was not.
         """
-        flag = 1.0 if count is None else float(count.reshape(-1)[0])
         if self.codec.summable:
-            return self._sum_cast(tensor, key, count, flag)
+            return self._sum_cast(tensor, key, count)
         exchange = self._sum_low_rank if self.inner.low_rank else self._sum_gathered
 
-        def job() -> int:
+        def job() -> int:  # (in the background, the flag is read on the exchange's own thread)
+            flag = 1.0 if count is None else float(count.reshape(-1)[0])
             return exchange(tensor, key, shapes, count, flag)
 
         if self._executor is None:
@@ -135,13 +146,13 @@ class CompressedAllReduce:
         future = self._executor.submit(self._entered, context, job)
         return PendingSum(lambda: _waited_for(future.result, ticket))
 
-    def sum(self, tensor: torch.Tensor, key: str, *, shapes: Sequence[Sequence[int]] | None = None) -> int:
+    def sum(self, tensor: torch.Tensor, key: str, *, shapes: Sequence[Sequence[int]] | None = None) -> Contributors:
         """`start(...).wait()`: `tensor` becomes the sum; returns the number of contributors."""
         return self.start(tensor, key, shapes=shapes).wait()
 
     def average(self, tensor: torch.Tensor, key: str, *, shapes: Sequence[Sequence[int]] | None = None) -> None:
         """`tensor` becomes the mean over the group of what each worker's codec made of its own."""
-        tensor.div_(self.sum(tensor, key, shapes=shapes))
+        divide(tensor, self.sum(tensor, key, shapes=shapes))
 
     def set_epoch(self, epoch: int) -> None:
         """Tell a codec with a schedule over epochs (DGC's sparsity warm-up) which epoch is starting."""
@@ -159,26 +170,37 @@ class CompressedAllReduce:
         self.codec.load_state_dict(state["codec"])
 
     # -- the three ways a sum travels -----------------------------------------------------------------------
-    def _sum_cast(self, tensor: torch.Tensor, key: str, count: torch.Tensor | None, flag: float) -> PendingSum:
+    def _sum_cast(self, tensor: torch.Tensor, key: str, count: torch.Tensor | None) -> PendingSum:
         """Summable codecs: one native asynchronous all-reduce in the wire dtype, the count as its last value (in
-        fp16 or bf16 a sum with NONFINITE in it rounds, but never below NONFINITE)."""
+        fp16 or bf16 a sum with NONFINITE in it rounds, but never below NONFINITE). A worker whose count is not 1
+        sends zeros and keeps its codec's memory, decided on the device: nothing is read back."""
         flat = tensor.reshape(-1)
         raw = self.codec.sends_raw(tuple(flat.shape))
         wire_dtype = flat.dtype if raw else self.inner.wire_dtype(flat.dtype)
-        wire = torch.zeros(flat.numel() + 1, dtype=wire_dtype, device=flat.device)
-        if flag == 1.0:
-            values = self.memory.compensate(key, flat) if self.memory is not None else flat
-            wire[:-1].copy_(values)
-            if self.memory is not None:
-                self.memory.update(key, values, wire[:-1].to(values.dtype))
-        wire[-1] = flag
+        wire = torch.empty(flat.numel() + 1, dtype=wire_dtype, device=flat.device)
+        absent = None if count is None else count.reshape(-1)[:1] != 1.0
+        if absent is not None:
+            flat.masked_fill_(absent, 0.0)  # (then the memory is compensated by zeros: it stays as it was)
+        values = self.memory.compensate(key, flat) if self.memory is not None else flat
+        wire[:-1].copy_(values)
+        if self.memory is not None:
+            if absent is not None:  # (its residual, compensated by zeros, is not sent)
+                wire[:-1].masked_fill_(absent, 0.0)
+            self.memory.update(key, values, wire[:-1].to(values.dtype))
+        if count is None:
+            wire[-1] = 1.0
+        else:
+            wire[-1:].copy_(count.reshape(-1)[:1])
         with self.comm.counter.dense_equivalent(dense_all_reduce_bytes(self.comm, wire.numel())):
             handle = self.comm.all_reduce(wire, async_op=True)
 
-        def finish() -> int:
+        def finish() -> torch.Tensor:
             handle.wait()
             tensor.copy_(wire[:-1].view_as(tensor))
-            return _counted(wire[-1], count)
+            total = wire[-1:].float()
+            if count is not None:
+                count.copy_(total.view_as(count))
+            return total
 
         return PendingSum(finish)
 

@@ -46,16 +46,17 @@ class Control:
         point only); `lost(rank, how)` records one that does not answer."""
         row = torch.tensor([kind, step, *flags], dtype=torch.int64)
         with self.comm.unmetered():
-            rows = self._through_rank_0(row, dead, lost) if self.point_to_point else self.comm.all_gather(row)
-        kinds, steps = {int(r[0]) for r in rows}, {int(r[1]) for r in rows}
+            gathered = self._through_rank_0(row, dead, lost) if self.point_to_point else self.comm.all_gather(row)
+        rows = torch.stack(gathered).tolist()  # (host tensors: one read, which waits on no device)
+        kinds, steps = {r[0] for r in rows}, {r[1] for r in rows}
         if len(kinds) > 1 or len(steps) > 1:
-            where = ", ".join(f"worker {self.comm.ranks[i]}: {KINDS[int(r[0])]} after step {int(r[1])}"
+            where = ", ".join(f"worker {self.comm.ranks[i]}: {KINDS[r[0]]} after step {r[1]}"
                               for i, r in enumerate(rows))  # fmt: skip
             raise FastError(
                 f"the workers are out of step ({where}): under {self.strategy_name} every worker must run the same "
                 "steps and call job.evaluate at the same step (job.loader gives every worker as many batches)"
             )
-        return Answer([int(r[1]) for r in rows], [[int(v) for v in r[2:]] for r in rows])
+        return Answer([r[1] for r in rows], [r[2:] for r in rows])
 
     def _through_rank_0(self, row: torch.Tensor, dead: set[int], lost: object) -> list[torch.Tensor]:
         comm, first = self.comm, self.comm.ranks[0]

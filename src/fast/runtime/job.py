@@ -58,6 +58,7 @@ from fast.runtime.lifeline import LAUNCHER_VARIABLE
 from fast.runtime.live import Live
 from fast.runtime.loader import ShardedLoader, tensor_dataset
 from fast.runtime.membership import ADDRESS_VARIABLE
+from fast.runtime.readback import BadSteps, read_together
 from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
 from fast.runtime.steps import StepDriver
@@ -66,6 +67,7 @@ from fast.strategies.base import ModelLayout
 
 LAYOUT_TAG = tags.LAYOUT
 MAX_STEPS_BETWEEN_CHECKS = 10_000
+MAX_STEPS_UNCOUNTED = 1_000  # steps whose bad-step flags may wait on the device for a boundary (a read at the latest)
 _current: ContextVar[Job | None] = ContextVar("job", default=None)  # the process's (each simulated one's) job
 FAST_LOOP: ContextVar[bool] = ContextVar("fast_loop", default=False)  # set by FAST's own loop (fast train)
 
@@ -312,7 +314,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self.total_steps: int | None = run.max_steps
         self.loaders: list[ShardedLoader] = []
         self.loader_position: tuple[int, int] | None = None
-        self.skipped_steps, self.bad_in_a_row = 0, 0
+        self.bad_steps = BadSteps()  # steps whose gradients were not finite: flags on the device, counted at boundaries
         self._stopping = False
         self._ended_at = -1  # the step at which the workers agreed to end (workers in step)
         self._ran_out_at: int | None = None  # the step this worker's loop ended at, before any empty step
@@ -526,10 +528,9 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
 
     def _step_done(self, bad: bool) -> None:
         """After each optimizer step: bad-step accounting, the schedule, time, stopping, checkpoints."""
-        if bad:
-            self._bad_step()
-        else:
-            self.bad_in_a_row = 0
+        self.bad_steps.note(bad)
+        if len(self.bad_steps.noted) >= MAX_STEPS_UNCOUNTED:  # (a loop that never logs, a strategy without checks)
+            self._count_bad_steps()
         if self.schedule is not None:
             self.schedule.step()
         done = self.step
@@ -576,6 +577,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         limit = self.config.run.max_time_s
         out_of_time = limit is not None and self.trained_s >= limit
         ran_out_at = self._ran_out_at if self._ran_out_at is not None else -1
+        self._count_bad_steps()
         flags = [int(out_of_time), int(done), self._steps_to_next_check(), ran_out_at]
         answer = self.control.round(control.STOP, self.step, flags, self.strategy.dead, self._lost)
         self._pace_from = (self.step, self.trained_s)
@@ -589,11 +591,21 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     def _lost(self, rank: int, how: str) -> None:
         self.strategy.lost(rank, self.step, how)
 
-    def _bad_step(self) -> None:
-        self.skipped_steps += 1
-        self.bad_in_a_row += 1
+    @property
+    def skipped_steps(self) -> int:
+        """Steps this worker skipped because its gradients were not finite (counted now: a boundary's read)."""
+        self._count_bad_steps()
+        return self.bad_steps.total
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.bad_steps.total = value
+
+    def _count_bad_steps(self, values: list[float] | None = None) -> None:
+        """Count the bad steps noted since the last boundary (from `values`, their flags as read, or read now); a
+        FastError when run.max_bad_steps of them came in a row."""
         limit = self.config.run.max_bad_steps
-        if self.bad_in_a_row >= limit:
+        if self.bad_steps.noted and self.bad_steps.count(values) >= limit:
             fix = ("lower optimizer.lr or check the data and the step function" if self.loop_is_fast else
                    "lower your optimizer's learning rate or check the data and the loss (a GradScaler would skip "
                    "such steps and back off)")  # fmt: skip
@@ -603,10 +615,10 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     # -- metrics -----------------------------------------------------------------------------------------------------
     def log(self, loss: Any = None, **values: Any) -> None:
         """Record the step's loss (and any other numbers); a record is written every run.log_every steps."""
-        if loss is not None:
+        if loss is not None:  # (kept where it is: read back at the next record)
             self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
         for key, value in values.items():
-            self._values.setdefault(key, []).append(float(value))
+            self._values.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
         if self.step % self.config.run.log_every == 0 and self.step != self._recorded_at and self.step > 0:
             self._record()
         self._flush_checkpoint()
@@ -630,12 +642,19 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         }
         if self.optimizer is not None:
             record["lr"] = self.optimizer.param_groups[0]["lr"]
-        if kind is None:
-            losses = [loss.float().reshape(()) for loss in self._losses]
-            finite = [loss for loss in losses if torch.isfinite(loss)]
+        if kind is None:  # the losses, the values given as tensors and the bad-step flags: one read for all
+            given = [v for values in self._values.values() for v in values if isinstance(v, torch.Tensor)]
+            flags = self.bad_steps.flags()
+            losses, numbers, bad = read_together(self._losses, given, flags)
+            finite = [loss for loss in losses if math.isfinite(loss)]
             if finite:
-                record["loss"] = float(torch.stack(finite).mean())
-            record.update({k: sum(v) / len(v) for k, v in self._values.items() if v})
+                record["loss"] = sum(finite) / len(finite)
+            read = iter(numbers)
+            for key, values in self._values.items():
+                if values:
+                    given_here = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+                    record[key] = sum(given_here) / len(given_here)
+            self._count_bad_steps(bad)
             self._losses, self._values = [], {}
             self._recorded_at = step
         else:

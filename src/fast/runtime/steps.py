@@ -7,6 +7,12 @@
                                       worker when one worker's were not); gradients clipped
     optimizer.step() ends             strategy.after_optimizer_step, then the job's bookkeeping
 
+Nothing here reads a tensor's value back to the host: on a GPU the host runs ahead of the device, and a read
+would make it wait for the device to drain. Whether a step's gradients were finite is a flag on the device; a
+step to skip is skipped there: an optimizer that takes GradScaler's `found_inf` (fused Adam, AdamW, SGD) skips it
+exactly, any other steps with zero gradients (its momentum and weight decay still move the weights a little; no
+NaN or Inf ever reaches them). The job reads the flags at the boundaries the user asked for (fast.runtime.bad_steps).
+
 So the user keeps their loop (forward, backward, optimizer.step, zero_grad) and the objects they passed in: the
 model and optimizer are the user's own, with hooks added. The hooks are plain functions, so a copy of the model
 (`copy.deepcopy`, as strategies take to evaluate an average) carries them without the job; they ignore it.
@@ -16,6 +22,7 @@ False (DDP's flag, read at each forward as DDP does), a backward only accumulate
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -28,12 +35,30 @@ from fast.comm import timeline
 from fast.errors import CommError
 from fast.strategies import Strategy
 
+Flag = torch.Tensor | bool  # a one-element bool tensor on the device, never read here; or known on the host
 
-def all_finite(grads: list[torch.Tensor]) -> bool:
-    """Whether every gradient is finite: min and max are NaN or infinite exactly when some element is, which is
-    one cheap reduction per gradient and one sync (several times faster on CPU than isfinite(g).all())."""
-    extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel()]
-    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
+
+def nonfinite(grads: list[torch.Tensor]) -> Flag:
+    """Whether some gradient has a NaN or an infinity, as a flag on the gradients' device (not read). The extremes
+    of a tensor are NaN or infinite exactly when some element is: on a GPU, the largest magnitudes (one multi-tensor
+    kernel), on the CPU min and max (aminmax, several times faster there than isfinite(g).all())."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return False
+    if grads[0].is_cuda:
+        extremes = list(torch._foreach_norm(grads, math.inf))
+    else:
+        extremes = [torch.stack(torch.aminmax(g)) for g in grads]
+    return ~torch.isfinite(torch.cat([e.float().reshape(-1) for e in extremes])).all()
+
+
+def either(a: Flag, b: Flag) -> Flag:
+    """a or b, on the device where either is a device flag."""
+    if a is False or b is True:
+        return b
+    if b is False or a is True:
+        return a
+    return a | b
 
 
 def _batch_size(args: Any, kwargs: dict[str, Any]) -> int:
@@ -59,7 +84,9 @@ class StepDriver:
         self.clip_norm, self.autocast = clip_norm, autocast
         self.step = 0  # the step under way (steps done so far)
         self.began = self.backward_done = self.callback_queued = False
-        self.bad = False
+        self.bad: Flag = False  # this worker's gradients of the step under way were not finite
+        self._folded = False  # a skip is folded into the optimizer's found_inf for its step under way
+        self._found_inf: Any = None  # the optimizer's own found_inf (a GradScaler's), kept meanwhile
         self.samples = 0  # the samples the loop passed through the model in training (their first dimension)
         self.loop_skipped = 0  # steps the user's loop skipped (a GradScaler's), counted apart from bad steps
         self.computing = False  # a compute span is open (fast.comm.timeline)
@@ -112,6 +139,7 @@ class StepDriver:
 
         if not hasattr(model, "no_sync"):  # DDP's spelling of gradient accumulation, for a script that uses it
             model.no_sync = no_sync
+        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # takes found_inf (GradScaler's)
         self.handles = [
             model.register_forward_pre_hook(before_forward, with_kwargs=True),
             model.register_forward_hook(after_forward),
@@ -184,11 +212,10 @@ class StepDriver:
         self._computed()
         if not self.strategy.checks_gradients:
             grads = [p.grad for p in self.params if p.grad is not None]
-            if not all_finite(grads):
-                self.bad = True
-                if not self.strategy.gradients_stay_local(self.step):  # nothing non-finite leaves the worker
-                    for g in grads:
-                        g.zero_()
+            self.bad = nonfinite(grads)
+            if self.bad is not False and not self.strategy.gradients_stay_local(self.step):
+                for g in grads:  # nothing non-finite leaves the worker
+                    g.masked_fill_(self.bad, 0.0)
         with timeline.span("strategy.after_backward", "communicate"):
             try:
                 self.strategy.after_backward(self.step)
@@ -198,7 +225,7 @@ class StepDriver:
                 self.failed = True
                 for p in self.params:  # the optimizer leaves parameters without a gradient alone
                     p.grad = None
-        self.bad = self.bad or self.strategy.gradients_were_bad
+        self.bad = either(self.bad, self.strategy.gradients_were_bad)
         self.backward_done = True
 
     def _optimizer_starts(self) -> None:
@@ -206,14 +233,30 @@ class StepDriver:
             self.begin()
         if not self.backward_done:
             self.gradients_done()
-        if (self.bad and not self.strategy.averages_gradients) or self.strategy.skips_step:
-            for p in self.params:  # skip the step: the optimizer leaves parameters without a gradient alone
+        strategy = self.strategy
+        skip = strategy.skips_step if strategy.averages_gradients else either(self.bad, strategy.skips_step)
+        if skip is True:  # known on the host (a strategy of the user's own may say so)
+            for p in self.params:  # the optimizer leaves parameters without a gradient alone
                 p.grad = None
-        elif self.clip_norm is not None:
+        elif skip is not False:
+            self._skip_on_device(skip)
+        if self.clip_norm is not None and skip is not True:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
         self.strategy.before_optimizer_step()
         timeline.open_span("optimizer", "compute")
         self.computing = True
+
+    def _skip_on_device(self, skip: torch.Tensor) -> None:
+        """Skip the step where the device flag `skip` is set, without reading it: an optimizer that takes found_inf
+        skips it exactly (as under a GradScaler: its found_inf, if any, is kept, the larger wins); any other steps
+        with zero gradients."""
+        if not self.fused:
+            self.strategy.zero_gradients_where(skip)
+            return
+        flag = skip.to(torch.float32).reshape(())  # (the shape of the optimizer's step counts)
+        theirs = self.optimizer.__dict__.get("found_inf")
+        self._folded, self._found_inf = True, theirs
+        self.optimizer.found_inf = flag if theirs is None else torch.maximum(theirs, flag.to(theirs))
 
     def _computed(self) -> None:
         """The compute span under way (forward and backward, or the optimizer's step) ends."""
@@ -223,6 +266,12 @@ class StepDriver:
 
     def _optimizer_ends(self) -> None:
         self._computed()
+        if self._folded:  # the optimizer's found_inf as it was (a GradScaler's, or none)
+            if self._found_inf is not None:
+                self.optimizer.found_inf = self._found_inf
+            else:
+                self.optimizer.__dict__.pop("found_inf", None)
+            self._folded, self._found_inf = False, None
         if self.failed:  # discarded: the step is taken again over the re-formed group
             self.began = self.backward_done = self.bad = self.failed = False
             self.on_failure()

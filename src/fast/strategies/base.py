@@ -123,8 +123,10 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer
         self.accumulating = False  # inside job.no_sync(): a backward only accumulates gradients
         self.contributing = True  # False in a step without data (a worker that finished early): send nothing of it
-        self.gradients_were_bad = False  # set by strategies that `checks_gradients`, per step
-        self.skips_step = False  # every worker skips this step: one of them had gradients that were not finite
+        # set per step by strategies that `checks_gradients`: a bool, or a one-element bool tensor on the device (a
+        # flag the step acts on there, never read back: fast.runtime.steps)
+        self.gradients_were_bad: bool | torch.Tensor = False
+        self.skips_step: bool | torch.Tensor = False  # every worker skips this step: one's gradients were not finite
         self.steps_of_all: int | None = None  # at the end of a lock-step run: the most steps any worker took
         self.nobody_contributed = False  # the last exchange had data from no worker (all have ended): if it knows
         self.compensation: MomentumCompensation | None = None
@@ -134,6 +136,12 @@ class Strategy:
         GradScaler to see (which skips the step and backs off), not zeroed; FAST's guard still skips the step if
         the loop steps anyway."""
         return False
+
+    def zero_gradients_where(self, flag: torch.Tensor) -> None:
+        """Zero every gradient where the device flag `flag` is set (a step skipped on the device, not read back)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.masked_fill_(flag, 0.0)
 
     def make_codec(self) -> Codec | None:
         """This worker's codec from `[codec]` (fast.exchange.allreduce.worker_codec), or None for dense."""

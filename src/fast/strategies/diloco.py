@@ -33,6 +33,7 @@ from torch import nn
 
 from fast.config import Config
 from fast.errors import ConfigError
+from fast.exchange.allreduce import Contributors, divide
 from fast.strategies.flat import FlatState
 from fast.strategies.periodic import PeriodicAveraging, WarmupOptions, once
 
@@ -114,7 +115,7 @@ class DiLoCo(PeriodicAveraging):
         summed = mine.clone()
         if self.compressed is not None:
             pending = self.compressed.start(summed, "pseudo_gradient", shapes=shapes)
-            contributors: Callable[[], int] = pending.wait
+            contributors: Callable[[], Contributors] = pending.wait
         else:
             handle = self.channel.all_reduce(summed, async_op=True)
 
@@ -123,7 +124,7 @@ class DiLoCo(PeriodicAveraging):
                 return self.comm.size
 
         before = self.landing() if self.landing is not None else torch.zeros_like(mine)
-        self.landing = once(lambda: summed.div_(max(1, contributors())))
+        self.landing = once(lambda: divide(summed, contributors()))
         gradient = eager_outer_gradient(before, mine, self.mine_before, self.comm.size)
         self.mine_before = mine
         return gradient

@@ -32,6 +32,7 @@ from pydantic import Field
 from torch import nn
 
 from fast.codecs import Codec
+from fast.comm.landing import Landing
 from fast.comm.patience import PatientGroup
 from fast.config import Config
 from fast.errors import CommError, ConfigError
@@ -98,15 +99,23 @@ class Gossip(Strategy):
         # waits give up at the deadline without letting gloo time out, which would cut this worker off from
         # every neighbour, not just the silent one
         self.patient = PatientGroup(self.comm)
+        self.dead_flags: torch.Tensor | None = None  # this worker's list of the dead, on the device (made on news)
+        self.flagged: frozenset[int] = frozenset()  # the dead it holds
+        self.heard: torch.Tensor | None = None  # row j: the dead that worker j's messages named, on the device
+        self.news: Landing | None = None  # `heard` on its way to the host (never waited for)
 
     # -- the exchange, overlapped with forward and backward ----------------------------------------------
     def before_step(self, step: int) -> None:
         self.round = self.rounds.plan(self.comm.index(), step)
-        self.mine = self.state.read()
         # the message: the replica, then one flag per worker this one knows to be dead
-        dead = torch.zeros(self.comm.size)
-        dead[sorted(self.rounds.dead)] = 1.0
-        message = torch.cat([self.mine, dead.to(self.mine)])
+        tensors = self.state.tensors
+        if self.dead_flags is None or self.flagged != self.rounds.dead:  # (a tensor made once per change)
+            self.flagged = frozenset(self.rounds.dead)
+            dead = torch.zeros(self.comm.size, dtype=tensors[0].dtype)
+            dead[sorted(self.flagged)] = 1.0
+            self.dead_flags = dead.to(tensors[0].device)
+        message = torch.cat([*(t.detach().reshape(-1) for t in tensors), self.dead_flags])
+        self.mine = message[: self.state.numel]
         ranks = self.comm.ranks
         self.exchange = NeighbourRound(
             self.patient, message, [ranks[j] for j in self.round.sends], [ranks[j] for j in self.round.takes]
@@ -127,15 +136,32 @@ class Gossip(Strategy):
         numel = self.state.numel
         theirs = {index(peer): message[:numel] for peer, message in arrived.items()}
         self.state.write(combine(self.mine, theirs, self.round.takes, self.round.keep))
-        for peer, message in arrived.items():  # the news of deaths travels with the messages
-            for k in message[numel:].nonzero().flatten().tolist():
-                if k not in self.rounds.dead and k not in newly_dead and k != index():
-                    self.lost(self.comm.ranks[k], step, f"told by worker {peer}")
-                    newly_dead.add(k)
+        for k, j in self._news(arrived):  # the news of deaths travels with the messages
+            if k not in self.rounds.dead and k not in newly_dead and k != index():
+                self.lost(self.comm.ranks[k], step, f"told by worker {self.comm.ranks[j]}")
+                newly_dead.add(k)
         self.exchanges += len(theirs)
         self.steps += 1
         if newly_dead:
             self.rounds.forget(newly_dead)
+
+    def _news(self, arrived: dict[int, torch.Tensor]) -> list[tuple[int, int]]:
+        """(dead k, worker j that named it) from the messages so far: the flags are gathered on the device and come
+        to the host behind the step (fast.comm.landing), so a death is learnt a step late at most, with no wait."""
+        numel, size = self.state.numel, self.comm.size
+        for peer, message in arrived.items():
+            if self.heard is None:
+                self.heard = torch.zeros(size, size, dtype=message.dtype, device=message.device)
+                self.news = Landing(self.heard)
+            row = self.heard[self.comm.index(peer)]
+            torch.maximum(row, message[numel:], out=row)
+        if self.news is None:
+            return []
+        self.news.send(self.heard)
+        heard = self.news.landed()
+        if heard is None or not heard.any():
+            return []
+        return [(int(k), int(j)) for j, k in zip(*heard.nonzero(), strict=True)]
 
     def summary(self) -> dict[str, object]:
         figures: dict[str, object] = {

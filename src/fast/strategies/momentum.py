@@ -30,8 +30,9 @@ class MomentumCorrection:
                 self.settings[p] = (group["momentum"], group["weight_decay"], group["nesterov"])
             group.update(momentum=0.0, weight_decay=0.0, nesterov=False)
 
-    def apply(self, params: list[nn.Parameter], gradients: list[torch.Tensor]) -> None:
-        """Turn each parameter's gradient (in place) into what its worker sends."""
+    def apply(self, params: list[nn.Parameter], gradients: list[torch.Tensor], bad: torch.Tensor | None = None) -> None:
+        """Turn each parameter's gradient (in place) into what its worker sends. `bad`, a device flag: the gradients
+        were not finite (the caller sends zeros instead), and the velocity stays as it was, decided on the device."""
         for p, gradient in zip(params, gradients, strict=True):
             if p not in self.settings:
                 continue
@@ -42,9 +43,12 @@ class MomentumCorrection:
                 continue
             velocity = self.velocity.get(p)
             if velocity is None:
-                velocity = self.velocity[p] = gradient.clone()
-            else:
+                velocity = gradient.clone() if bad is None else torch.where(bad, 0.0, gradient)
+                self.velocity[p] = velocity
+            elif bad is None:
                 velocity.mul_(momentum).add_(gradient)
+            else:
+                velocity.copy_(torch.where(bad, velocity, velocity.mul(momentum).add_(gradient)))
             if nesterov:
                 gradient.add_(velocity, alpha=momentum)
             else:

@@ -12,7 +12,7 @@ from pydantic import Field
 from torch import nn
 
 from fast.codecs import Codec
-from fast.exchange.allreduce import CompressedAllReduce
+from fast.exchange.allreduce import CompressedAllReduce, Contributors, divide
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import COLLECTIVE_OPTIONS, periodic
 from fast.strategies.base import Strategy, StrategyOptions
@@ -75,9 +75,9 @@ class PeriodicAveraging(Strategy):
         has ended (its steps without data, as with DDP's Join) sends zeros and is not counted. False, and
         `nobody_contributed`, when no worker moved: the round then changes nothing (no outer step either)."""
         buffer = with_count(tensor, self.moved)
-        self.moved = False
+        moved, self.moved = self.moved, False
         self.comm.all_reduce(buffer)
-        mean = mean_of_counted(buffer)
+        mean = mean_of_counted(buffer, moved)
         self.nobody_contributed = mean is None
         if mean is not None:
             tensor.copy_(mean)
@@ -118,10 +118,19 @@ def with_count(tensor: torch.Tensor, moved: bool) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_ones(1)]).mul_(float(moved))
 
 
-def mean_of_counted(summed: torch.Tensor) -> torch.Tensor | None:
+def mean_of_counted(summed: torch.Tensor, moved: bool) -> torch.Tensor | None:
     """The mean of a sum `with_count` made, in place (a view without the count); None when nobody contributed."""
-    count = float(summed[-1])
-    return summed[:-1].div_(count) if count else None
+    return mean_of_sum(summed[:-1], summed[-1:], moved)
+
+
+def mean_of_sum(total: torch.Tensor, contributors: Contributors, moved: bool) -> torch.Tensor | None:
+    """`total` divided in place by its number of contributors; None when there were none. A worker that `moved` is
+    one of them, so its mean is made on the device and nothing is read back; only one that did not (its loop has
+    ended, at the end of the run) reads whether anybody did."""
+    if not moved:
+        if not (float(contributors.reshape(-1)[0]) if isinstance(contributors, torch.Tensor) else contributors):
+            return None
+    return divide(total, contributors)
 
 
 def once(compute: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:

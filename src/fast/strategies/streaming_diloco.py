@@ -28,7 +28,7 @@ from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import collective, count
 from fast.strategies.diloco import DiLoCoOptions, outer_sgd
 from fast.strategies.flat import FlatState
-from fast.strategies.periodic import PeriodicAveraging, mean_of_counted, once, with_count
+from fast.strategies.periodic import PeriodicAveraging, mean_of_counted, mean_of_sum, once, with_count
 
 
 class StreamingDiLoCoOptions(DiLoCoOptions):
@@ -138,16 +138,17 @@ class StreamingDiLoCo(PeriodicAveraging):
         and is not counted); when none moved, the round changes nothing (no outer step, which Nesterov momentum
         would otherwise take on a zero pseudo-gradient: the final θ would depend on how many steps without data
         the workers took before agreeing to stop)."""
-        moved = float(self.steps_taken > self.steps_at_round[p])
+        moved = self.steps_taken > self.steps_at_round[p]
         self.steps_at_round[p] = self.steps_taken
-        delta = (self.thetas[p] - self.local[p].read()).mul_(moved)
+        delta = (self.thetas[p] - self.local[p].read()).mul_(float(moved))
         if self.compressed is not None:
             shapes = [t.shape for t in self.local[p].tensors]
-            pending = self.compressed.start(delta, f"fragment{p}", shapes=shapes, count=torch.tensor([moved]))
-            mean = once(lambda: delta.div_(n) if (n := pending.wait()) else None)
+            count = torch.full((1,), float(moved), device=delta.device)
+            pending = self.compressed.start(delta, f"fragment{p}", shapes=shapes, count=count)
+            mean = once(lambda: mean_of_sum(delta, pending.wait(), moved))
         else:
-            handle = self.channel.all_reduce(with_count(delta, bool(moved)), async_op=True)
-            mean = once(lambda: mean_of_counted(handle.wait()))
+            handle = self.channel.all_reduce(with_count(delta, moved), async_op=True)
+            mean = once(lambda: mean_of_counted(handle.wait(), moved))
         self.in_flight[p] = (step + self.options.delay, mean)
         self.last_round[p] = step
         if p == 0 and self.buffers.numel:

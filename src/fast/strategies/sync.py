@@ -55,7 +55,8 @@ class Bucket:
     average is then NaN on every worker. So every worker skips the step, as with DDP (whose all-reduce spreads
     the Inf): a GradScaler on each sees the overflow and backs off, and without one FAST's guard skips it
     (fast.runtime.steps). The averages stay in the buffer: each parameter's `.grad` becomes a view into it
-    (DDP's gradient_as_bucket_view), so nothing is copied back.
+    (DDP's gradient_as_bucket_view), so nothing is copied back. The check, the zeros and the count are made on
+    the device, and nothing of them is read back to the host: a GPU never waits on them.
     """
 
     def __init__(self, params: list[nn.Parameter], zeros: torch.Tensor, summed: SumBuffer | None = None) -> None:
@@ -70,8 +71,12 @@ class Bucket:
         self.ready = 0
         self.handle: Handle | PendingSum | None = None
 
-    def fill(self, contributing: bool = True) -> bool:
-        """Put this worker's gradients in the buffer; False (and zeros, counted 0) when they are not finite."""
+    def fill(self, contributing: bool = True) -> torch.Tensor:
+        """Put this worker's gradients in the buffer; returns the device flag "not finite" (then zeros, counted
+        NONFINITE). A worker without data (`contributing` False) puts zeros, counted 0."""
+        if not contributing:
+            self.buffer.zero_()
+            return torch.zeros((), dtype=torch.bool, device=self.buffer.device)
         for p, view in zip(self.params, self.views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -79,21 +84,18 @@ class Bucket:
                 view.copy_(p.grad)
         # x * 0 is NaN exactly when x is NaN or infinite, and a sum of zeros cannot overflow: one pass, no
         # allocation, far cheaper than isfinite().all() and than min and max
-        finite = math.isfinite(torch.dot(self.grads, self.zeros))
-        if not finite or not contributing:
-            self.buffer.zero_()
-        self.count.fill_(0.0 if not contributing else 1.0 if finite else NONFINITE)
-        return finite
+        bad = torch.dot(self.grads, self.zeros).isnan()
+        self.grads.masked_fill_(bad, 0.0)
+        self.count.copy_(torch.where(bad, NONFINITE, 1.0))
+        return bad
 
-    def average(self) -> bool:
-        """The sum becomes the average over the workers that contributed; False (and NaN) if one was not finite."""
-        count = float(self.count)
-        if count >= NONFINITE:
-            self.grads.fill_(math.nan)
-            return False
-        if count != 1:  # (one contributor: the sum is the average)
-            self.grads.mul_(1 / count) if count > 0 else self.buffer.zero_()  # mul: half the time of div
-        return True
+    def average(self) -> torch.Tensor:
+        """The sum becomes the average over the workers that contributed; returns the device flag "skip the step"
+        (then NaN): a worker's gradients were not finite."""
+        skip = self.count >= NONFINITE
+        # (a sum of no contributor is zeros: any scale keeps them; one contributor's sum is its average)
+        self.grads.mul_(torch.where(skip, math.nan, self.count.clamp_min(1.0).reciprocal()))
+        return skip
 
     def write_back(self) -> None:
         for p, view in zip(self.params, self.views, strict=True):
@@ -162,6 +164,7 @@ class Sync(Strategy):
                 self.momentum = MomentumCorrection(optimizer)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.order: list[int] = []  # buckets (indices) in the order this step launched them
+        self.bad_buckets: list[torch.Tensor] = []  # this step's, as launched: device flags "not finite"
         self.launched: dict[int, int] = {}  # bucket index -> its place in the last step's order
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
@@ -197,11 +200,12 @@ class Sync(Strategy):
 
     def _launch(self, bucket: Bucket) -> None:
         self.order.append(self.buckets.index(bucket))
-        if not bucket.fill(self.contributing):
-            self.gradients_were_bad = True
+        bad = bucket.fill(self.contributing)
+        self.bad_buckets.append(bad)
         if self.compressed is not None:  # the count of contributing workers travels alongside, uncompressed
-            if self.momentum is not None and float(bucket.count) == 1.0:
-                self.momentum.apply(bucket.params, bucket.views)
+            if self.momentum is not None and self.contributing:  # (a bucket that was not finite keeps its velocity)
+                self.momentum.apply(bucket.params, bucket.views, bad)
+                bucket.grads.masked_fill_(bad, 0.0)
             shapes = [p.shape for p in bucket.params]
             key = f"bucket{self.buckets.index(bucket)}"
             bucket.handle = self.compressed.start(bucket.grads, key, shapes=shapes, count=bucket.count)
@@ -221,22 +225,32 @@ class Sync(Strategy):
                 self._launch(self.buckets[index])
         self.launched = {index: n for n, index in enumerate(self.order)}
         self.order = []
-        counted = 0.0
+        skips = []
         for bucket in self.buckets:
             bucket.handle.wait()
             if self.group is not None:
                 if self.leaders is not None:
                     self.leaders.all_reduce(bucket.buffer)
                 self.group.broadcast(bucket.buffer, src=self.group.ranks[0])
-            counted += float(bucket.count)
-            if not bucket.average():
-                self.skips_step = True
+            skips.append(bucket.average())
             bucket.write_back()
             bucket.ready, bucket.handle = 0, None
-        self.nobody_contributed = counted == 0.0
+        # device flags, never read here: the step's guard acts on them on the device (fast.runtime.steps)
+        self.gradients_were_bad = torch.stack(self.bad_buckets).any() if self.bad_buckets else False
+        self.skips_step = torch.cat(skips).any() if skips else False
+        self.bad_buckets = []
+        # only a worker without data can find that nobody had any (its own count is 0): it reads the counts, at the
+        # run's end (fast.runtime.ending), where a read costs nothing
+        self.nobody_contributed = not self.contributing and not float(torch.cat([b.count for b in self.buckets]).sum())
+
+    def zero_gradients_where(self, flag: torch.Tensor) -> None:
+        """The gradients are the buckets' buffers: one pass over each."""
+        for bucket in self.buckets:
+            bucket.grads.masked_fill_(flag, 0.0)
 
     def regroup(self) -> None:
         self.buckets = self._make_buckets([p for b in self.buckets for p in reversed(b.params)][::-1], True)
+        self.bad_buckets = []
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.order, self.launched = [], {}
 
@@ -248,7 +262,7 @@ class Sync(Strategy):
                 except Exception:  # the group is broken: what is pending fails or is dropped with it
                     pass
             bucket.ready, bucket.handle = 0, None
-        self.order = []
+        self.order, self.bad_buckets = [], []
 
     def end_of_run(self) -> None:
         if self.compressed is not None:

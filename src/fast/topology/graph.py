@@ -103,11 +103,16 @@ class Topology:
         self._check_rank(rank)
         return len(self._adjacency[rank])
 
+    @cached_property
+    def _rows(self) -> list[list[float]]:
+        """W as Python numbers, read once: the rounds of every step ask for weights, and read no tensor."""
+        return self.weights.tolist()
+
     def weight(self, i: int, j: int) -> float:
         """W_ij: the share of worker j's value that worker i takes when it averages."""
         self._check_rank(i)
         self._check_rank(j)
-        return float(self.weights[i, j])
+        return self._rows[i][j]
 
     def unreachable(self) -> list[int]:
         """The live workers that cannot be reached from the lowest live rank (empty when connected)."""
