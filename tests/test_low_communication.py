@@ -167,6 +167,13 @@ def test_demo_trains_and_sends_each_step_its_frames_alone(tmp_path, no_orphans):
     assert summary["bytes_sent"] == 2 * summary["steps_per_worker"] * per_step
 
 
+def test_demo_takes_the_jobs_learning_rate_made_for_gradients_and_steps_its_sign_by_its_own(tmp_path, no_orphans):
+    """A sign moves every weight by the whole learning rate: at the job's 0.05 (SGD, momentum 0.9) demo read 0.14 here
+    before it brought its own step (strategy.sign_lr)."""
+    summary = fast.train(None, out=str(tmp_path), strategy__name="demo", optimizer__lr=0.05, **JOB)
+    assert summary["final_test_accuracy"] > 0.8
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["blocking", "eager"])
 def test_eager_diloco_trains_and_sends_a_round_a_period_and_one_mean_of_theta(tmp_path, no_orphans, eager):
     summary = fast.train(None, out=str(tmp_path), strategy__name="diloco", strategy__period=16,

@@ -8,13 +8,20 @@ worker decodes the same mean of the q's (back in the parameters' basis), and the
 (`sign = true`, as the paper's signum update; `false`: the mean itself). The run's `[optimizer]` applies it:
 plain SGD (no momentum: the strategy's is the momentum) with the learning rate and weight decay is the paper's.
 
+A sign moves every weight by the whole learning rate each step, which a learning rate made for gradients (the
+job's 0.05, say) cannot take: demo brings the step its sign needs, `sign_lr` (the paper's signum learning rate,
+1e-3 by default). The sign is scaled by sign_lr / the optimizer's learning rate, so that SGD steps each weight by
+sign_lr, times the schedule's factor as it goes; `sign_lr = none` takes the optimizer's learning rate as it is.
+
 The reference code puts the learning rate inside the momentum (m ← β·m + lr·g); with a constant learning rate
 that only rescales m, which the sign ignores.
 """
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
+from torch import nn
 
 from fast.codecs import Codec, ErrorFeedback
 from fast.codecs.chunked import DctTopK
@@ -28,6 +35,12 @@ class DeMoOptions(SyncOptions):
     k: int = Field(32, ge=1, description="DCT coefficients sent per block (chunk x chunk of a matrix)")
     chunk: int = Field(64, ge=1, le=256, description="side of the blocks the DCT is taken on")
     sign: bool = Field(True, description="the step's gradient is the sign of the mean (the paper's signum)")
+    sign_lr: float | None = Field(
+        1e-3,
+        gt=0,
+        description="how far the sign moves each weight in a step (SGD's learning rate for it, scaled by the "
+        "schedule); none: the optimizer's learning rate",
+    )
     momentum_correction: bool | None = Field(False, description="(the decoupled momentum is the momentum)")
 
 
@@ -62,8 +75,23 @@ class DeMo(Sync):
     def make_codec(self) -> Codec:
         return ErrorFeedback(self.own_codec(self.options), decay=self.options.momentum_decay)
 
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().setup(model, optimizer)
+        # what the sign is multiplied by, per bucket: one factor for the whole bucket, or one per parameter where
+        # their groups' learning rates differ (as the groups stand now: a schedule's factor applies on top)
+        base = {p: group.get("initial_lr", group["lr"]) for group in optimizer.param_groups for p in group["params"]}
+        wanted = self.options.sign_lr
+        self.scales: list[list[tuple[torch.Tensor, float]]] = []
+        for bucket in self.buckets:
+            factors = [1.0 if wanted is None or not base[p] else wanted / base[p] for p in bucket.params]
+            one = len(set(factors)) == 1
+            pairs = [(bucket.grads, factors[0])] if one else list(zip(bucket.views, factors, strict=True))
+            self.scales.append([(tensor, factor) for tensor, factor in pairs if factor != 1.0])
+
     def after_backward(self, step: int) -> None:
         super().after_backward(step)
         if self.options.sign:
-            for bucket in self.buckets:
+            for bucket, scales in zip(self.buckets, self.scales, strict=True):
                 bucket.grads.sign_()
+                for tensor, factor in scales:
+                    tensor.mul_(factor)
