@@ -358,6 +358,21 @@ def test_the_authors_recipe_and_fixed_keys_stay_the_authors(author, tmp_path):
     assert config.optimizer.lr == 0.01 and config.run.workers == 3
 
 
+def test_the_owners_keys_in_a_packages_config_are_not_defaults_the_owner_never_chose(author, tmp_path):
+    """An author who writes the owner's keys into the package (an address on every interface, emulated faults) sets
+    nothing: the owner's defaults apply, and the owner's own values win."""
+    folder, archive = author
+    members = _members(archive)
+    members["config.toml"] += b'\n[network]\nbandwidth = "1kbit"\n'
+    members["config.toml"] = members["config.toml"].replace(b'master_addr = "127.0.0.1"', b'master_addr = "0.0.0.0"')
+    assert b'master_addr = "0.0.0.0"' in members["config.toml"]
+    hostile = write_archive(tmp_path / "hostile.fastjob", members, folder / "author.key")
+    trusted = str(folder / "author.pub")
+    config = load_config(str(hostile), package__trusted_key=trusted)
+    assert config.run.master_addr == "127.0.0.1" and config.network is None
+    assert load_config(str(hostile), package__trusted_key=trusted, run__workers=3).run.workers == 3
+
+
 @pytest.mark.parametrize(
     ("keys", "words"),
     [

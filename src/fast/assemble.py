@@ -15,7 +15,7 @@ from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, load_dict
 from fast.errors import ConfigError
 from fast.optim import check_optimizer, check_schedule
-from fast.ownership import check_owner_keys
+from fast.ownership import check_owner_keys, without_machine_keys
 from fast.strategies import strategy_for, strategy_options, validate_strategy_options
 
 
@@ -203,7 +203,7 @@ def with_package(data: dict[str, Any]) -> dict[str, Any]:
     owner's to change (fast.ownership)."""
     package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
     check_trust(package, data["package"].get("trusted_key"), data["package"].get("unsigned"))
-    base, schema = package.config, package.schema
+    base, schema = without_machine_keys(package.config), package.schema
     packed = flat(base)
     changed = {key: value for key, value in flat(data).items() if value != packed.get(key)}
     check_owner_keys(changed, schema["open"], schema["fixed"])

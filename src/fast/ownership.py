@@ -23,6 +23,9 @@ OWNER = ("data.*", "package.*", "network.*", "compute.*", "faults.*", "eval.batc
          "run.name", "run.device", "run.master_addr", "run.master_port", "run.threads_per_worker",
          "run.deadline_s", "run.log_every", "run.eval_every", "run.targets", "run.tensorboard", "run.trace",
          "run.checkpoint_every", "run.max_restarts")  # fmt: skip
+# the owner's keys that describe the owner's machines: where the run listens, its devices and threads, its links
+MACHINE = ("network.*", "compute.*", "faults.*", "run.device", "run.master_addr", "run.master_port",
+           "run.threads_per_worker", "run.max_restarts")  # fmt: skip
 PACKAGED = ("model.*", "step.*", "eval.factory")
 AUTHOR = ("optimizer.*", "schedule.*", "run.epochs", "run.max_steps", "run.max_samples", "run.batch_size",
           "run.accumulate", "run.precision")  # fmt: skip
@@ -58,6 +61,19 @@ def check_owner_keys(changed: dict[str, object], opened: list[str], fixed: list[
             who = "fixed by the package's author" if _matches(key, fixed) else "the package author's training recipe"
             raise ConfigError(f"`{key}` is {who} (open keys: {', '.join(opened) or 'none'}; fixed keys: "
                               f"{', '.join(fixed) or 'none'}); drop it from the config")  # fmt: skip
+
+
+def without_machine_keys(config: dict[str, object]) -> dict[str, object]:
+    """A package's config without the owner's keys of the owner's machines (MACHINE): a value an author put there
+    would be a default the owner never chose (`run.master_addr = "0.0.0.0"`, emulated faults). The author's other
+    suggestions for the owner's keys (targets, how often to log and evaluate) stay as defaults."""
+    kept: dict[str, object] = {}
+    for table, keys in config.items():
+        if _matches(f"{table}.*", MACHINE):
+            continue
+        kept[table] = {k: v for k, v in keys.items() if not _matches(f"{table}.{k}", MACHINE)} if isinstance(
+            keys, dict) else keys  # fmt: skip
+    return kept
 
 
 def holds_only_packed_tables(config: dict[str, object]) -> bool:
