@@ -26,6 +26,7 @@ import torch
 
 from fast.comm import bootstrap as engine
 from fast.comm import timing
+from fast.comm.comm import limit_for
 from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
@@ -286,7 +287,9 @@ class Live:
             sent = payload.numel() * len(mine)
         elif me in source_of:
             with metered:
-                _, payload = world.recv_bytes(world.ranks[source_of[me]])
+                # a whole state: the weights, the optimizer's moments, the strategy's anchors and memories
+                limit = limit_for(self.model.state_dict(), times=8)
+                _, payload = world.recv_bytes(world.ranks[source_of[me]], limit=limit)
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load_state(state)
             if self.generation.number:  # (generation 0: the founders' first weights)
