@@ -51,7 +51,7 @@ SILENT_S = 10.0  # a member silent this long is dropped (a local process's exit 
 POLL_S = 0.02
 FORM_S = 10.0  # the longest a member waits for another to form a generation's group
 PREFIX = "fast/membership/"
-SLOT_S = 10.0  # a request counted but not written this long is skipped (its writer died between the two)
+SLOT_S = 5.0  # a request counted but not written this long is skipped (its writer died between the two)
 # config keys a joiner may hold differently from the run: where its own outputs go and how it runs locally
 PER_PROCESS_KEYS = ("run.threads_per_worker", "run.device", "run.tensorboard", "run.trace", "run.master_port")
 
