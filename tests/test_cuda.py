@@ -157,3 +157,68 @@ def test_the_language_model_trains_on_cuda_in_fasts_loop_and_in_the_users(tmp_pa
         summary = json.loads((tmp_path / loop / "summary.json").read_text())
         assert summary["steps_per_worker"] == 60
         assert summary["final_test_perplexity"] < 40, (loop, summary["final_test_perplexity"])  # uniform: 256
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_steady_state_steps_never_make_the_host_wait_for_the_gpu(tmp_path, no_orphans, strategy, workers):
+    """Under torch.cuda.set_sync_debug_mode: "error" where each worker has its GPU; where two share one, gloo's own
+    threads synchronise (they stage the tensors through host memory) and only the training thread's are errors."""
+    mode = "training-thread" if workers > torch.cuda.device_count() else "error"
+    out = tmp_path / "checked"
+    out.mkdir()
+    period = ["--set", "strategy.period=4"] if strategy == "diloco" else []
+    _run([FAST, "run", "--workers", str(workers), "--set", f"strategy.name={strategy}", *period, "--out",
+          str(tmp_path / "run"), str(SCRIPTS / "no_sync.py"), str(out), mode], tmp_path)  # fmt: skip
+    assert [(out / f"checked-{rank}.txt").read_text() for rank in range(workers)] == ["40"] * workers
+
+
+class _Host:
+    """What a loader asks of its job (fast.runtime.loader.Host), for one worker on `device`."""
+
+    def __init__(self, device: str) -> None:
+        from fast.assemble import load_config
+
+        self.config, self.device = load_config(None, run__workers=1), torch.device(device)
+        self.rank, self.workers, self.is_worker, self.step, self.stopped = 0, 1, True, 0, False
+        self.loader_position, self.loaders = None, []
+
+    def _settle(self) -> None:
+        pass
+
+    def _all_have(self, has_batch: bool) -> bool:
+        return has_batch
+
+    def _loader_created(self, loader) -> None:
+        pass
+
+
+class _Listed(torch.utils.data.Dataset):
+    """A map-style dataset that is not a TensorDataset: it goes through a DataLoader."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("kind", ["tensors", "dataloader"])
+def test_the_loader_moves_each_batch_to_the_gpu_a_step_ahead_and_never_waits(kind):
+    from fast.runtime.loader import ShardedLoader
+
+    x, y = torch.randn(256, 8), torch.arange(256)
+    data = torch.utils.data.TensorDataset(x, y) if kind == "tensors" else _Listed(x, y)
+    on_cpu = list(ShardedLoader(_Host("cpu"), data, 32))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_gpu = [tuple(t * 1 for t in batch) for batch in ShardedLoader(_Host("cuda"), data, 32)]  # used on the GPU
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(on_gpu) == len(on_cpu) == 8
+    for gpu, cpu in zip(on_gpu, on_cpu, strict=True):
+        assert all(t.is_cuda for t in gpu)
+        assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu, strict=True))

@@ -3,7 +3,9 @@
 Map-style datasets are cut into disjoint shards, `iid` (a seeded permutation) or `dirichlet` (label skew; the
 labels from `labels=`, else `dataset.targets`); every worker runs the same number of batches per epoch (the
 smallest shard decides), so synchronous strategies stay in step. Tensor datasets are indexed a batch at a time;
-other datasets go through a `torch.utils.data.DataLoader` (worker processes, pinned memory on CUDA). An
+other datasets go through a `torch.utils.data.DataLoader` (worker processes). On CUDA, batches are made in pinned
+host memory and moved to the GPU one step ahead on a stream of their own (fast.runtime.prefetch): the step never
+waits for its batch's copy, nor does the host. An
 `IterableDataset` is split by position (worker k takes items k, k + N, ...); under a strategy whose workers move
 in step, the workers agree after each batch whether all of them have one, so they end an epoch together.
 
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from fast.config import Config
 from fast.errors import ConfigError
+from fast.runtime.prefetch import pinned_rows, prefetched, to_device
 from fast.runtime.sharding import partition
 
 
@@ -76,16 +79,6 @@ def epoch_order(size: int, seed: int, epoch: int, rank: int) -> torch.Tensor:
     """The order a worker visits its shard in an epoch: a function of (seed, epoch, rank) only."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + rank)
     return torch.randperm(size, generator=generator)
-
-
-def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, tuple | list):
-        return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    return batch
 
 
 class _Batches(torch.utils.data.Sampler):
@@ -245,20 +238,28 @@ class ShardedLoader:
         return epoch, skip
 
     def _fetch(self, batches: list[torch.Tensor]) -> Iterator[Any]:
+        if self.device is not None and self.device.type == "cuda":  # each batch's copy behind the step before it
+            yield from prefetched(self._on_host(batches), self.device)
+            return
+        for batch in self._on_host(batches):
+            yield self._place(batch)
+
+    def _on_host(self, batches: list[torch.Tensor]) -> Iterator[Any]:
+        """The batches of these indices as the dataset gives them (in pinned memory for a GPU)."""
+        pinned = self.device is not None and self.device.type == "cuda"
         if self.tensors is not None:  # a batch is one indexing of each tensor
             for index in batches:
-                yield self._place(tuple(t[index] for t in self.tensors))
+                yield tuple(pinned_rows(t, index) if pinned and not t.is_cuda else t[index] for t in self.tensors)
             return
         loader = DataLoader(
             self.dataset,
             batch_sampler=_Batches([index.tolist() for index in batches]),
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
-            pin_memory=self.job.device.type == "cuda",
+            pin_memory=pinned,
             persistent_workers=False,
         )
-        for batch in loader:
-            yield self._place(batch)
+        yield from loader
 
     def _stream(self) -> Iterator[Any]:
         job = self.job
