@@ -8,6 +8,8 @@ products they are made of.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -27,7 +29,12 @@ def forward_flops_per_sample(
     """
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
-    sample = torch.zeros((1, *input_shape), dtype=input_dtype, device=device)
+    return forward_flops(model, (torch.zeros((1, *input_shape), dtype=input_dtype, device=device),), {})
+
+
+def forward_flops(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """FLOPs of one forward pass `model(*args, **kwargs)`, in eval mode and without gradients (the model is left as
+    it was)."""
     was_training = model.training
     mkldnn_was_enabled = torch.backends.mkldnn.enabled
     counter = FlopCounterMode(display=False)
@@ -35,7 +42,7 @@ def forward_flops_per_sample(
         model.eval()
         torch.backends.mkldnn.enabled = False
         with torch.no_grad(), counter:
-            model(sample)
+            model(*args, **kwargs)
     finally:
         torch.backends.mkldnn.enabled = mkldnn_was_enabled
         model.train(was_training)

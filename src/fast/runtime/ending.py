@@ -113,6 +113,17 @@ def write_outputs(
     return summary
 
 
+def run_throughput(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's achieved TFLOP/s (its workers' together) and MFU (against the peaks of the GPUs they ran on, each
+    counted once where workers share one), from each worker's figures; {} where a worker has none (fast.runtime.
+    throughput)."""
+    if not each or not all("tflops" in w for w in each):
+        return {}
+    tflops = sum(w["tflops"] for w in each)
+    peaks = {w.get("gpu") or i: w["peak_tflops"] for i, w in enumerate(each)}
+    return {"tflops": float(f"{tflops:.4g}"), "mfu": float(f"{tflops / sum(peaks.values()):.4g}")}
+
+
 def mean_shares(each: list[dict[str, float]]) -> dict[str, float] | None:
     """The workers' mean share of their training time per category (fast.comm.timeline)."""
     each = [s for s in each if s]
@@ -245,6 +256,8 @@ class Ending:
             "skipped_steps": self.skipped_steps,
             "steps_skipped_by_the_loop": self.driver.loop_skipped,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
+            # on a GPU: its achieved TFLOP/s and MFU, and which GPU, of which peak (fast.runtime.throughput)
+            "throughput": self._worker_throughput() if self.is_worker else {},
             "compute_s": self.machine.compute_s,
             "compute_spread": self.machine.compute_spread,
             "request_s": self.machine.request_s,  # a server's (workers answer no requests)
@@ -500,6 +513,7 @@ class Ending:
             "time_blocked_share": round(sum(blocked) / len(blocked), 4) if blocked else None,
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }
+        summary.update(run_throughput([p.get("throughput") or {} for p in trainers]))
         if self.elastic:
             summary["membership"] = self.membership
             summary["workers_at_end"] = self.workers

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -62,6 +63,7 @@ from fast.runtime.readback import BadSteps, read_together
 from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
 from fast.runtime.steps import StepDriver
+from fast.runtime.throughput import Throughput
 from fast.strategies import Strategy, StrategyContext, build_strategy
 from fast.strategies.base import ModelLayout
 
@@ -305,6 +307,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.frontend: Any = None  # a JAX job's (fast.jax.JaxFrontEnd): its batches and its functions of the weights
+        self.throughput: Throughput | None = None  # TFLOP/s and MFU on a GPU (made at prepare, on the model's device)
         self.schedule: Any = None
         self.clock = Clock()
         self.trained_s = 0.0
@@ -398,6 +401,9 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
                              "model.module)")  # fmt: skip
         self._place(model)
         self.model, self.optimizer = model, optimizer
+        self.throughput = Throughput(self.device)
+        if self.throughput.wanted:
+            self.driver.on_first_batch = self.throughput.first_batch
         if self.world_size > self.workers and self.is_main:
             layout = ModelLayout.of(model)
             servers = range(1, self.world.size) if self.detached else range(self.workers, self.world_size)
@@ -588,6 +594,26 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         if answer.any(0) or answer.all(1):
             self._ended_at = self.step
 
+    def _throughput(self, seconds: float) -> dict[str, Any]:
+        """This worker's achieved TFLOP/s and MFU over `seconds` of training (fast.runtime.throughput), or {}."""
+        if self.throughput is None or not self.throughput.wanted or self.model is None:
+            return {}
+        with self.driver.evaluation():
+            self.throughput.count(self.model)
+        return self.throughput.figures(self.driver.samples, seconds)
+
+    def _worker_throughput(self) -> dict[str, Any]:
+        """For the summary: this worker's figures over its training, with the GPU it ran on (host:index, the same for
+        workers that share one) and that GPU's peak; {} without figures."""
+        figures = self._throughput(self.trained_s)
+        if not figures or self.throughput is None:
+            return {}
+        gpu = None
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            gpu = f"{socket.gethostname()}:{index}"
+        return {**figures, "gpu": gpu, "peak_tflops": self.throughput.peak}
+
     def _lost(self, rank: int, how: str) -> None:
         self.strategy.lost(rank, self.step, how)
 
@@ -656,6 +682,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
                     record[key] = sum(given_here) / len(given_here)
             self._count_bad_steps(bad)
             self._losses, self._values = [], {}
+            record.update(self._throughput(record["time_s"]))
             self._recorded_at = step
         else:
             record["kind"] = kind

@@ -11,7 +11,8 @@ from rich.progress import Progress as RichProgress
 
 
 class Progress:
-    """Shows epoch, step, loss, the last evaluation's first metric and samples/s (all workers) as records arrive."""
+    """Shows epoch, step, loss, the last evaluation's first metric and samples/s (all workers) as records arrive; on
+    a GPU, worker 0's achieved TFLOP/s and model FLOPs utilisation."""
 
     def __init__(self, name: str, total_steps: int | None, steps_per_epoch: int, samples_per_step: int) -> None:
         self.total, self.per_epoch, self.samples_per_step = total_steps, steps_per_epoch, samples_per_step
@@ -45,6 +46,8 @@ class Progress:
         metric = f"test {self.metric[0]} {self.metric[1]:.4f}" if self.metric is not None else "test -"
         loss = f"{self.loss:.4f}" if self.loss is not None else "-"
         info = f"epoch {step / self.per_epoch:.2f}  loss {loss}  {metric}  {rate:,.0f} samples/s"
+        if "tflops" in record:  # on a GPU: worker 0's own (fast.runtime.throughput)
+            info += f"  {record['tflops']:.3g} TFLOP/s  MFU {record['mfu']:.1%}"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
         elif tested or step >= self.next_line:

@@ -94,6 +94,7 @@ class StepDriver:
         self.evaluating = False
         self._casting: Any = None
         self.on_begin: Callable[[], None] | None = None
+        self.on_first_batch: Callable[[Any, Any], None] | None = None  # the first training forward's inputs, once
         # live membership: a step whose exchange failed (a peer is gone) is discarded, then this re-forms the group
         self.on_failure: Callable[[], None] | None = None
         self.failed = False
@@ -158,6 +159,9 @@ class StepDriver:
         if self.evaluating or not module.training or not torch.is_grad_enabled():
             return
         self.samples += _batch_size(args, kwargs or {})
+        if self.on_first_batch is not None:
+            hook, self.on_first_batch = self.on_first_batch, None
+            hook(args, kwargs)
         if not self.began:
             self.begin()
         elif self.backward_done and not self.accumulating and self._gradients_cleared():
