@@ -131,6 +131,40 @@ def test_what_a_jax_job_cannot_take_is_refused_in_one_line(tmp_path, options, me
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+DEVICE_CASES = [
+    (["cuda"], "cpu", False, "cuda"),  # run.device left as it was: it follows the arrays onto the GPU
+    (["cpu"], "cpu", False, "cpu"),
+    (["cuda"], "cuda", True, "cuda"),
+    (["cuda"], "cpu", True, "run.device = 'cpu' but the JAX parameters are on a GPU: set run.device = 'cuda', or put "
+                             "them on the CPU (jax.device_put(params, jax.devices('cpu')[0]))"),
+    (["cpu"], "cuda", True, "run.device = 'cuda' but the JAX parameters are on the CPU: set run.device = 'cpu', or "
+                            "put them on a GPU (jax.device_put(params, jax.devices('gpu')[0]))"),
+    (["tpu"], "cpu", False, "job.prepare: the parameters are on tpu, where FAST does not train"),
+    (["cpu", "cuda"], "cpu", False, "job.prepare: the parameters are on cpu and cuda: put them all on one device"),
+]  # fmt: skip
+DECIDE = """
+import json, sys
+from fast.errors import ConfigError
+from fast.jax import run_device
+out = []
+for platforms, configured, explicit, _ in json.loads(sys.argv[1]):
+    try:
+        out.append(run_device(set(platforms), configured, explicit))
+    except ConfigError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+def test_a_jax_job_trains_where_its_arrays_are_and_a_run_device_elsewhere_is_refused_in_one_line_naming_the_fix():
+    """The decision on the kinds of device (only a CPU here): never a traceback from torch about a gradient's device."""
+    done = subprocess.run([sys.executable, "-c", DECIDE, json.dumps(DEVICE_CASES)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for (platforms, configured, explicit, expected), got in zip(DEVICE_CASES, json.loads(done.stdout), strict=True):
+        assert got.startswith(expected) and "\n" not in got, (platforms, configured, explicit, got)
+
+
 PYTORCH_JOB = """
 import sys, torch, fast
 job = fast.init({"run": {"max_steps": 2}})

@@ -25,6 +25,11 @@ So `step(grads)` takes the gradients over (they may hold the averaged ones after
 Evaluation functions receive the pytree of the model the run reports (an average, the best replica, ...).
 A FAST `[schedule]` sets Optax's learning rate when the optimizer was made with `optax.inject_hyperparams`;
 `optimizer.clip_norm` clips the gradients as for PyTorch. This module imports JAX; the PyTorch path never imports it.
+
+On a GPU: the job trains where the parameters' arrays are. Arrays on a GPU make the run a CUDA one (run.device
+follows them, as it follows a PyTorch model a script put on a GPU itself): the weights, gradients and Optax state
+stay on the GPU and cross between JAX and torch through DLPack there, and the loader's batches come as JAX arrays on
+the GPU (DLPack again) instead of NumPy's. A run.device that says otherwise is refused in one line (`run_device`).
 """
 
 from __future__ import annotations
@@ -47,15 +52,39 @@ from fast.errors import ConfigError, UsageError
 def check_config(config: Config) -> None:
     """What a JAX job cannot take, refused in one line each."""
     run = config.run
-    if run.device != "cpu":
-        raise ConfigError(f"run.device = {run.device!r} with a JAX job: the JAX front end runs on the CPU; set "
-                          'run.device = "cpu"')  # fmt: skip
     if run.precision != "fp32":
         raise ConfigError(f"run.precision = {run.precision!r} with a JAX job: FAST's autocast is PyTorch's; cast in "
                           "your own JAX step (jnp.bfloat16) and leave run.precision = \"fp32\"")  # fmt: skip
     if run.accumulate != 1:
         raise ConfigError(f"run.accumulate = {run.accumulate} with a JAX job: sum the micro-batches' gradients in your "
                           "own JAX step and give optimizer.step their mean; set run.accumulate = 1")  # fmt: skip
+
+
+def platform_of(leaf: Any) -> str:
+    """Where an array of the pytree lives, as FAST names devices: "cpu", "cuda" (JAX's "gpu"), or JAX's own name."""
+    devices = leaf.devices() if hasattr(leaf, "devices") else set()  # (a NumPy array is on the CPU)
+    platforms = {"cuda" if d.platform in ("gpu", "cuda") else d.platform for d in devices} or {"cpu"}
+    return platforms.pop() if len(platforms) == 1 else "+".join(sorted(platforms))
+
+
+def run_device(platforms: set[str], configured: str, explicit: bool) -> str:
+    """The device a JAX job trains on: where its parameters are (`platforms`, as `platform_of` names them). A
+    run.device left at its default follows them; one the config set (`explicit`) must agree. Else one line, with
+    the fix."""
+    if len(platforms) != 1:
+        raise ConfigError(f"job.prepare: the parameters are on {' and '.join(sorted(platforms))}: put them all on one "
+                          "device (jax.device_put(params, device))")  # fmt: skip
+    (where,) = platforms
+    if where not in ("cpu", "cuda"):
+        raise ConfigError(f"job.prepare: the parameters are on {where}, where FAST does not train: put them on the "
+                          "CPU or a GPU (jax.device_put(params, jax.devices(\"cpu\")[0]))")  # fmt: skip
+    if where == configured or (where == "cuda" and not explicit):
+        return where
+    place = {"cpu": "the CPU", "cuda": "a GPU"}
+    jax_name = "gpu" if configured == "cuda" else "cpu"
+    raise ConfigError(f"run.device = {configured!r} but the JAX parameters are on {place[where]}: set run.device = "
+                      f"{where!r}, or put them on {place[configured]} (jax.device_put(params, "
+                      f"jax.devices({jax_name!r})[0]))")  # fmt: skip
 
 
 def span(tensors: list[torch.Tensor | None]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
@@ -99,15 +128,19 @@ class ParameterTree(nn.Module):
         paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         if not paths:
             raise UsageError("job.prepare: the pytree of parameters has no leaves")
-        arrays = [np.asarray(leaf) for _, leaf in paths]
+        leaves = [leaf for _, leaf in paths]
         names = [
             jax.tree_util.keystr(path, simple=True, separator="/").replace(".", "_") or "param" for path, _ in paths
         ]
-        for name, array in zip(names, arrays, strict=True):
-            if not np.issubdtype(array.dtype, np.floating):
-                raise UsageError(f"job.prepare: parameter {name!r} is {array.dtype}: every leaf of the pytree must be "
+        for name, leaf in zip(names, leaves, strict=True):
+            dtype = np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else np.dtype(leaf.dtype)
+            if not np.issubdtype(dtype, np.floating):
+                raise UsageError(f"job.prepare: parameter {name!r} is {dtype}: every leaf of the pytree must be "
                                  "a floating-point array (keep integer state outside the parameters)")  # fmt: skip
-        self._lay_out(names, [a.shape for a in arrays], [torch.tensor(a) for a in arrays])
+        # on a GPU the weights stay there (DLPack: a view of JAX's buffer, copied into the flat tensor below)
+        values = [torch.from_dlpack(leaf) if platform_of(leaf) == "cuda" else torch.tensor(np.asarray(leaf))
+                  for leaf in leaves]  # fmt: skip
+        self._lay_out(names, [tuple(v.shape) for v in values], values)
         self.split = jax.jit(self.unflatten, static_argnums=1)
 
     def _lay_out(self, names: list[str], shapes: list[tuple[int, ...]], values: list[torch.Tensor]) -> None:
@@ -145,10 +178,12 @@ class ParameterTree(nn.Module):
         """The weights as a pytree of new JAX arrays (one copy of them all, cut in one jitted call)."""
         spanned = span(self.leaves())
         if spanned is not None and spanned[1] == self.offsets:
-            flat = spanned[0].detach().numpy().copy()
+            flat = spanned[0].detach().clone()
         else:
-            flat = torch.cat([p.detach().reshape(-1) for p in self.leaves()]).numpy()
-        return self.split(jax.device_put(flat), self.offsets)
+            flat = torch.cat([p.detach().reshape(-1) for p in self.leaves()])
+        if flat.is_cuda:  # (JAX takes the copy over where it is)
+            return self.split(jax.dlpack.from_dlpack(flat), self.offsets)
+        return self.split(jax.device_put(flat.numpy()), self.offsets)
 
     def forward(self, *args: Any) -> Any:
         raise UsageError("a JAX job's model is its pytree: compute with your own JAX functions, not model(x)")
@@ -264,7 +299,10 @@ def prepare(job: Any, params: Any, transformation: optax.GradientTransformation)
     """`job.prepare` for a JAX job: the module and optimizer the strategies hook, prepared as a PyTorch job's are;
     returns the starting weights (worker 0's, or the checkpoint's) and the optimizer's handle."""
     check_config(job.config)
-    tree = ParameterTree(params)
+    run = job.config.run
+    explicit = "device" in run.model_fields_set or job.loop_is_fast
+    run_device({platform_of(leaf) for leaf in jax.tree_util.tree_leaves(params)} or {"cpu"}, run.device, explicit)
+    tree = ParameterTree(params)  # on the parameters' device: job.prepare follows it there (Job._place)
     optimizer = OptaxOptimizer(tree, transformation)
     schedule = job.config.schedule
     if schedule is not None and schedule.name != "constant" and not optimizer.sets_learning_rate:
@@ -284,16 +322,16 @@ class JaxFrontEnd:
         self.job = job
 
     def batch(self, batch: Any) -> Any:
-        """A loader's batch, as NumPy arrays (JAX takes them as they are); the step begins here, as a PyTorch job's
-        begins at its forward, so that the strategy's start of step and the compute timeline come before the user's
-        computation."""
+        """A loader's batch, as NumPy arrays (JAX takes them as they are), or on a GPU as JAX arrays there (DLPack);
+        the step begins here, as a PyTorch job's begins at its forward, so that the strategy's start of step and the
+        compute timeline come before the user's computation."""
         driver = self.job.driver
         first = next((t for t in _tensors(batch)), None)
         if first is not None and first.dim() > 0:
             driver.samples += int(first.shape[0])
         if not driver.began:
             driver.begin()
-        return _to_numpy(batch)
+        return _for_jax(batch)
 
     def on_tree(self, fn: Callable[[Any], Any]) -> Callable[[nn.Module], Any]:
         """`fn(params)` as the job calls evaluation functions: on a module (a ParameterTree, or a copy of it)."""
@@ -315,11 +353,11 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _to_numpy(batch: Any) -> Any:
+def _for_jax(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch.numpy()
+        return jax.dlpack.from_dlpack(batch) if batch.is_cuda else batch.numpy()
     if isinstance(batch, list | tuple):
-        return type(batch)(_to_numpy(item) for item in batch)
+        return type(batch)(_for_jax(item) for item in batch)
     if isinstance(batch, dict):
-        return {key: _to_numpy(value) for key, value in batch.items()}
+        return {key: _for_jax(value) for key, value in batch.items()}
     return batch
