@@ -89,8 +89,10 @@ class Handle:
         on_done: Callable[[], Any] | None = None,
         interrupted: Callable[[], str | None] | None = None,
         patience: Callable[[float], bool] | None = None,
+        on_stream: bool = False,
     ) -> None:
         self._work, self.op, self.peer, self.deadline_s = work, op, peer, deadline_s
+        self._on_stream = on_stream
         self._result, self._on_done, self._done = result, on_done, work is None
         self._interrupted, self._patience = interrupted, patience
         self.ticket: Any = None  # a collective's or a receive's (fast.comm.arrivals): its wait is split
@@ -119,6 +121,12 @@ class Handle:
         return self._result
 
     def _wait(self, deadline_s: float) -> None:
+        if self._on_stream:
+            # NCCL: the wait puts the operation before whatever the caller's CUDA stream does next, and returns; the
+            # host waits for nothing (with a timeout it would poll until the GPU is done). NCCL's watchdog holds the
+            # deadline: the group's timeout.
+            self._work.wait()
+            return
         if self._interrupted is None and self._patience is None:
             self._work.wait(timedelta(seconds=deadline_s))
             return
@@ -314,6 +322,11 @@ class Comm:
     def backend(self) -> str:
         return dist.get_backend(self.group)
 
+    def _on_stream(self, tensor: torch.Tensor) -> bool:
+        """Whether an operation on `tensor` runs on a CUDA stream of the backend's (NCCL), which the caller's stream
+        can wait on without the host waiting (`Handle`)."""
+        return tensor.is_cuda and self.backend() == "nccl"
+
     def _addressed(self, key: str, rank: int | None) -> dict[str, int | None]:
         """How torch is told a peer (`key`: "dst" or "src"): by its global rank."""
         return {key: rank}
@@ -328,7 +341,7 @@ class Comm:
         work = post("send", f"worker {dst}", self.deadline_s, dist.isend, tensor, group=self.group, tag=tag,
                     **self._addressed("dst", dst))  # fmt: skip
         self.counter.add_sent(dst, tensor.numel() * tensor.element_size())
-        return Handle(work, "send", f"worker {dst}", self.deadline_s)
+        return Handle(work, "send", f"worker {dst}", self.deadline_s, on_stream=self._on_stream(tensor))
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
         peer = f"worker {src}" if src is not None else "any worker"
@@ -341,7 +354,7 @@ class Comm:
             self.counter.add_received(peer, tensor.numel() * tensor.element_size())
             return tensor.copy_(landing) if landing is not tensor else tensor
 
-        handle = Handle(work, "recv", peer, self.deadline_s, tensor, done)
+        handle = Handle(work, "recv", peer, self.deadline_s, tensor, done, on_stream=self._on_stream(tensor))
         if src is not None:  # (one from any peer is numbered once it is known: recv_from)
             handle.ticket = self._message(src, self.rank, tag)
         return handle
@@ -486,7 +499,7 @@ class Comm:
         self.counter.add_sent(right, round(nbytes * send_share))
         self.counter.add_received(left, round(nbytes * (send_share if receive_share is None else receive_share)))
         handle = Handle(work, op, f"the group {self.ranks}", self.deadline_s, result, on_done, self.interrupted,
-                        self.patience())  # fmt: skip
+                        self.patience(), self._on_stream(tensor))  # fmt: skip
         handle.ticket = ticket
         return handle
 
