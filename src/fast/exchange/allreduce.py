@@ -38,6 +38,7 @@ from fast.comm import timeline, timing
 from fast.comm.arrivals import Ticket
 from fast.comm.comm import Comm
 from fast.comm.waiting import waiting
+from fast.flags import zero_where
 
 NONFINITE = 4096.0  # the count of a worker whose values were not finite: more than any run's workers, exact in fp32
 
@@ -180,12 +181,12 @@ class CompressedAllReduce:
         wire = torch.empty(flat.numel() + 1, dtype=wire_dtype, device=flat.device)
         absent = None if count is None else count.reshape(-1)[:1] != 1.0
         if absent is not None:
-            flat.masked_fill_(absent, 0.0)  # (then the memory is compensated by zeros: it stays as it was)
+            zero_where(flat, absent)  # (then the memory is compensated by zeros: it stays as it was)
         values = self.memory.compensate(key, flat) if self.memory is not None else flat
         wire[:-1].copy_(values)
         if self.memory is not None:
             if absent is not None:  # (its residual, compensated by zeros, is not sent)
-                wire[:-1].masked_fill_(absent, 0.0)
+                zero_where(wire[:-1], absent)
             self.memory.update(key, values, wire[:-1].to(values.dtype))
         if count is None:
             wire[-1] = 1.0

@@ -60,7 +60,9 @@ def peak_tflops(device: torch.device) -> float | None:
         try:
             return float(given)
         except ValueError:
-            raise ConfigError(f"{PEAK_VARIABLE}={given!r} is not a number: give the peak in TFLOP/s, e.g. 989") from None
+            raise ConfigError(
+                f"{PEAK_VARIABLE}={given!r} is not a number: give the peak in TFLOP/s, e.g. 989"
+            ) from None
     if device.type != "cuda":
         return None
     return peak_tflops_of(torch.cuda.get_device_name(device))

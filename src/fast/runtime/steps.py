@@ -33,9 +33,8 @@ from torch import nn
 
 from fast.comm import timeline
 from fast.errors import CommError
+from fast.flags import Flag, either, zero_where
 from fast.strategies import Strategy
-
-Flag = torch.Tensor | bool  # a one-element bool tensor on the device, never read here; or known on the host
 
 
 def nonfinite(grads: list[torch.Tensor]) -> Flag:
@@ -50,15 +49,6 @@ def nonfinite(grads: list[torch.Tensor]) -> Flag:
     else:
         extremes = [torch.stack(torch.aminmax(g)) for g in grads]
     return ~torch.isfinite(torch.cat([e.float().reshape(-1) for e in extremes])).all()
-
-
-def either(a: Flag, b: Flag) -> Flag:
-    """a or b, on the device where either is a device flag."""
-    if a is False or b is True:
-        return b
-    if b is False or a is True:
-        return a
-    return a | b
 
 
 def _batch_size(args: Any, kwargs: dict[str, Any]) -> int:
@@ -219,7 +209,7 @@ class StepDriver:
             self.bad = nonfinite(grads)
             if self.bad is not False and not self.strategy.gradients_stay_local(self.step):
                 for g in grads:  # nothing non-finite leaves the worker
-                    g.masked_fill_(self.bad, 0.0)
+                    zero_where(g, self.bad)
         with timeline.span("strategy.after_backward", "communicate"):
             try:
                 self.strategy.after_backward(self.step)

@@ -19,6 +19,7 @@ from fast.comm import tags, timing
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.exchange.allreduce import worker_codec
+from fast.flags import zero_where
 from fast.perfmodel import Link, StepCost
 from fast.strategies.compensation import CompensationOptions, MomentumCompensation
 from fast.strategies.context import ModelLayout, StrategyContext, StrategyOptions, pick_replica
@@ -141,7 +142,7 @@ class Strategy:
         """Zero every gradient where the device flag `flag` is set (a step skipped on the device, not read back)."""
         for p in self.model.parameters():
             if p.grad is not None:
-                p.grad.masked_fill_(flag, 0.0)
+                zero_where(p.grad, flag)
 
     def make_codec(self) -> Codec | None:
         """This worker's codec from `[codec]` (fast.exchange.allreduce.worker_codec), or None for dense."""

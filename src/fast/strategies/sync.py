@@ -31,6 +31,7 @@ from fast.comm.shared_memory import SumBuffer, sum_buffer
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.exchange.allreduce import NONFINITE, CompressedAllReduce, PendingSum
+from fast.flags import zero_where
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import COLLECTIVE_OPTIONS, collective, with_barrier
 from fast.strategies.base import Strategy, StrategyOptions
@@ -85,7 +86,7 @@ class Bucket:
         # x * 0 is NaN exactly when x is NaN or infinite, and a sum of zeros cannot overflow: one pass, no
         # allocation, far cheaper than isfinite().all() and than min and max
         bad = torch.dot(self.grads, self.zeros).isnan()
-        self.grads.masked_fill_(bad, 0.0)
+        zero_where(self.grads, bad)
         self.count.copy_(torch.where(bad, NONFINITE, 1.0))
         return bad
 
@@ -205,7 +206,7 @@ class Sync(Strategy):
         if self.compressed is not None:  # the count of contributing workers travels alongside, uncompressed
             if self.momentum is not None and self.contributing:  # (a bucket that was not finite keeps its velocity)
                 self.momentum.apply(bucket.params, bucket.views, bad)
-                bucket.grads.masked_fill_(bad, 0.0)
+                zero_where(bucket.grads, bad)
             shapes = [p.shape for p in bucket.params]
             key = f"bucket{self.buckets.index(bucket)}"
             bucket.handle = self.compressed.start(bucket.grads, key, shapes=shapes, count=bucket.count)
@@ -246,7 +247,7 @@ class Sync(Strategy):
     def zero_gradients_where(self, flag: torch.Tensor) -> None:
         """The gradients are the buckets' buffers: one pass over each."""
         for bucket in self.buckets:
-            bucket.grads.masked_fill_(flag, 0.0)
+            zero_where(bucket.grads, flag)
 
     def regroup(self) -> None:
         self.buckets = self._make_buckets([p for b in self.buckets for p in reversed(b.params)][::-1], True)
