@@ -4,16 +4,14 @@ back (`[faults] churn`).
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
                                     [--equal tokens|time] [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
 
-Every run is elastic (`run.elastic`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by default; `--real-links`:
-this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With churn, each worker but
-worker 0 stays an exponential time of mean a third of that, and a new one comes back after a mean of a tenth of
-it, healed from a live peer. `--equal tokens` (the default): the run with churn trains on as many samples as the
-one without did (`run.max_samples`), however long that takes, so that the perplexities compare the same amount of
-training; `--equal time`: it trains for the same time, on fewer samples. Per strategy and seed: the final
-validation perplexity, samples, training time, bytes, and the catch-ups' bytes and seconds; then, per strategy,
-the ratio of its mean perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco)
-within 5%.
-"""
+Every run's membership is live (`run.membership = "live"`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by
+default; `--real-links`: this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With
+churn, each worker but worker 0 stays an exponential time of mean a third of that, and a new one comes back after a mean
+of a tenth of it, healed from a live peer. `--equal tokens` (the default): the run with churn trains on as many samples
+as the one without did (`run.max_samples`), however long that takes, so that the perplexities compare the same amount of
+training; `--equal time`: it trains for the same time, on fewer samples. Per strategy and seed: the final validation
+perplexity, samples, training time, bytes, and the catch-ups' bytes and seconds; then, per strategy, the ratio of its
+mean perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco) within 5%."""
 
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ import fast
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "lm" / "lm.toml"
-JOB = {"model__width": 96, "run__log_every": 10, "run__epochs": 1000, "run__max_steps": 100_000, "run__elastic": True,
-       "run__eval_every": 0, "eval__samples": 200, "schedule__name": "constant"}  # fmt: skip
+JOB = {"model__width": 96, "run__log_every": 10, "run__epochs": 1000, "run__max_steps": 100_000,
+       "run__membership": "live", "run__eval_every": 0, "eval__samples": 200, "schedule__name": "constant"}  # fmt: skip
 STRATEGIES = {
     "sync": {"strategy__name": "sync", "strategy__bucket_mb": 8.0},
     "local-sgd": {"strategy__name": "local-sgd", "strategy__period": 8},

@@ -14,7 +14,7 @@ repeats exactly). Each run is a process of its own, so that its peak memory is i
   simulated worker-step should stay about flat as workers grow (a cost linear in workers x steps); they count
   training only, from the start to worker 0's `job.finish` (the end evaluates every replica of a decentralised
   run, a cost that grows with workers, not steps). Every 256-worker run must end within 30 minutes and 8 GiB.
-- `churn`: at the largest worker count, `gossip` (torus) and `diloco` (period 4), elastic, without churn and with
+- `churn`: at the largest worker count, `gossip` (torus) and `diloco` (period 4), live, without churn and with
   `[faults] churn` (each worker's mean lifetime ten times the steady run's virtual time, mean absence a tenth of
   it: about one worker in ten leaves and is replaced during the run, a change every step or so; a lifetime of a
   third of a 14-step run would take a member out every few milliseconds at 256 workers, and nearly every step
@@ -132,7 +132,7 @@ def churn(workers: int, epochs: float) -> None:
     strategies = {"gossip": {"name": "gossip", "topology": torus(workers)}, "diloco": {"name": "diloco", "period": 4}}
     for name, strategy in strategies.items():
         job = config(workers, strategy, epochs)
-        job["run"]["elastic"] = True
+        job["run"]["membership"] = "live"
         steady = _one_process(job)
         if isinstance(steady, str):
             print(f"| {workers} | {name} | no | {steady} |", flush=True)

@@ -18,7 +18,7 @@ from fast.tools.report.html import build_report
 JOB = {
     "data__name": "digits",
     "model__name": "mlp",
-    "run__elastic": True,
+    "run__membership": "live",
     "run__batch_size": 16,
     "run__eval_every": 0,
     "run__log_every": 5,

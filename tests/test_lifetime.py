@@ -1,7 +1,7 @@
 """No process outlives its run, and a run keeps to its own folder and to this machine: the launcher of `fast train`,
 `fast run` or `fast compare` killed (SIGKILL) or terminated (SIGTERM) leaves no process and no scratch file, SIGTERM
 ends a run as Ctrl-C does (exit code 143, the resume hint), Ctrl-C or SIGTERM at any moment of start-up is one line,
-a local elastic run listens on loopback only, and two runs never share a folder."""
+a local live run listens on loopback only, and two runs never share a folder."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def _listening(pids: set[int]) -> set[tuple[str, int]]:
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
-def test_an_elastic_local_run_listens_on_loopback_only(tmp_path):
+def test_a_live_local_run_listens_on_loopback_only(tmp_path):
     proc = start([FAST, "train", "--out", str(tmp_path / "run"), *LONG, "--set", "run.max_restarts=1"], tmp_path)
     seen: set[tuple[str, int]] = set()
     try:
@@ -218,8 +218,8 @@ def test_a_folder_a_live_run_holds_is_refused_to_a_second_run(tmp_path, no_orpha
     ]
 
 
-def test_two_elastic_runs_on_one_master_port_both_finish(tmp_path):
-    """A local elastic run meets through files: the port it is given is not bound, so two can share it."""
+def test_two_live_runs_on_one_master_port_both_finish(tmp_path):
+    """A local live run meets through files: the port it is given is not bound, so two can share it."""
     settings = ["data.name=digits", "run.workers=2", "run.epochs=1", "run.eval_every=0", "run.max_restarts=1",
                 "run.master_port=29517"]  # fmt: skip
     command = [FAST, "train", *(arg for setting in settings for arg in ("--set", setting))]

@@ -243,7 +243,7 @@ def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_weights(tmp_pat
     [
         ({"strategy__name": "demo", "optimizer__clip_norm": 1.0}, r"`optimizer.clip_norm` = 1 with demo"),
         ({"strategy__name": "demo", "codec__name": "topk"}, r"`codec.name` = 'topk' does not work with strategy"),
-        ({"strategy__name": "diloco", "strategy__eager": True, "run__elastic": True}, r"`strategy.eager` with run"),
+        ({"strategy__name": "diloco", "strategy__eager": True, "run__membership": "live"}, r"`strategy.eager` with"),
         ({"strategy__name": "streaming-diloco", "strategy__eager": True}, r"`strategy.eager` with streaming-diloco"),
     ],
 )

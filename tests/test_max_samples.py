@@ -1,5 +1,5 @@
 """`run.max_samples`: training ends once the workers together have trained on so many samples, whoever the workers
-are: a fixed world's steps, an elastic run's members (at the first membership boundary that reaches it), a detached
+are: a fixed world's steps, a live run's members (at the first membership boundary that reaches it), a detached
 run's work queue."""
 
 import pytest
@@ -20,18 +20,18 @@ JOB = {
 }
 
 
-@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+@pytest.mark.parametrize("live", [False, True], ids=["fixed", "live"])
 @pytest.mark.parametrize(("strategy", "steps"), [("sync", 6), ("local-sgd", 8), ("async-ps", 6)])
-def test_a_run_ends_at_the_first_step_its_workers_reach_max_samples_together(tmp_path, no_orphans, elastic,
+def test_a_run_ends_at_the_first_step_its_workers_reach_max_samples_together(tmp_path, no_orphans, live,
                                                                               strategy, steps):  # fmt: skip
-    options = {"strategy__name": strategy, "run__elastic": elastic}
+    options = {"strategy__name": strategy, "run__membership": "live" if live else "fixed"}
     if strategy == "local-sgd":
         options["strategy__period"] = 4
     summary = fast.train(None, out=str(tmp_path), **JOB, **options)
-    if strategy == "async-ps" and elastic:  # the work queue: batches, whichever worker took them
+    if strategy == "async-ps" and live:  # the work queue: batches, whichever worker took them
         assert summary["samples"] == 11 * BATCH
         return
-    if strategy == "local-sgd" and not elastic:  # a fixed world counts steps: its rounds need not end there
+    if strategy == "local-sgd" and not live:  # a fixed world counts steps: its rounds need not end there
         steps = 6
     assert summary["steps_per_worker"] == steps
     assert summary["samples"] == steps * WORKERS * BATCH

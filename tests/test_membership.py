@@ -1,10 +1,11 @@
-"""Live membership (`run.elastic`), in real processes: a worker killed with SIGKILL or stopped with SIGTERM is left
-behind while the run goes on, `fast join` brings a new one in healed from a live peer (never from a file), only
+"""Live membership (`run.membership = "live"`), in real processes: a worker killed with SIGKILL or stopped with SIGTERM
+is left behind while the run goes on, `fast join` brings a new one in healed from a live peer (never from a file), only
 holders of the run's secret with the run's config get in, and the run's weights equal those of plain SGD over the
 members each step had."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ FAST = str(Path(sys.executable).with_name("fast"))
 JOB = {
     "data.name": "digits",
     "model.name": "mlp",
-    "run.elastic": "true",
+    "run.membership": "live",
     "run.epochs": 10000,  # the run ends at run.max_time or run.max_steps
     "run.batch_size": 32,
     "run.log_every": 1,
@@ -212,7 +213,7 @@ def _refusals(run: Path, tmp_path: Path) -> None:
 
 
 def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, torch.Tensor]:
-    """Plain SGD in this process over the batches an elastic run's members took: at each step, the next
+    """Plain SGD in this process over the batches a live run's members took: at each step, the next
     n * batch_size samples of the epoch's order, n the members of that step's generation."""
     config = load_config(run / "config.toml")
     train, _ = datasets(config)
@@ -268,30 +269,31 @@ def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"strategy.name": "ssp"}, "run.elastic: strategy 'ssp' does not take live membership changes yet"),
-        ({"codec.name": "topk"}, "run.elastic with codec.name: a codec's residuals are not reset"),
-        ({"run.max_restarts": 1}, "run.elastic with run.max_restarts: restarts every worker from a checkpoint"),
+        ({"strategy.name": "ssp"}, "run.membership = 'live': strategy 'ssp' does not take live membership changes"),
+        ({"codec.name": "topk"}, "run.membership = 'live' with codec.name: a codec's residuals are not reset"),
+        ({"run.max_restarts": 1}, "run.membership = 'live' with run.max_restarts: restarts every worker"),
         ({"run.min_workers": 5}, "run.min_workers = 5 is more than the 4 workers the run starts with"),
-        ({"strategy.hierarchical": 2}, "`strategy.hierarchical` = 2 with run.elastic"),
+        ({"run.elastic": True}, '`run.elastic` is now `run.membership = "live" (or "fixed")`: write that instead'),
+        ({"strategy.hierarchical": 2}, "`strategy.hierarchical` = 2 with run.membership = 'live'"),
         (
             {"strategy.name": "async-ps", "run.checkpoint_every": 50},
-            "run.elastic with run.checkpoint_every: the servers' snapshots count a fixed set of workers",
+            "run.membership = 'live' with run.checkpoint_every: the servers' snapshots count a fixed set of workers",
         ),
         (
             {"strategy.name": "async-ps", "run.engine": "simulated"},
-            'run.elastic with run.engine = "simulated": its workers join on lines of real processes',
+            "run.membership = 'live' with run.engine = \"simulated\": its workers join on lines of real processes",
         ),
     ],
 )
-def test_what_an_elastic_run_cannot_take_is_refused_in_one_line(options, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        load_config(None, **{"run.elastic": True, "run.workers": 4, **options})
+def test_what_a_live_run_cannot_take_is_refused_in_one_line(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, **{"run.membership": "live", "run.workers": 4, **options})
 
 
 @pytest.mark.parametrize("command", ["join", "stop"])
 def test_fast_join_or_stop_without_a_live_run_says_so(tmp_path, capsys, command):
     assert main([command, str(tmp_path)]) == 2
-    assert f"fast {command} {tmp_path}: no live elastic run there" in capsys.readouterr().err
+    assert f"fast {command} {tmp_path}: no live run there" in capsys.readouterr().err
 
 
 def _ip(*args: str) -> None:

@@ -366,6 +366,9 @@ def test_the_owners_keys_in_a_packages_config_are_not_defaults_the_owner_never_c
     members["config.toml"] += b'\n[network]\nbandwidth = "1kbit"\n'
     members["config.toml"] = members["config.toml"].replace(b'master_addr = "127.0.0.1"', b'master_addr = "0.0.0.0"')
     assert b'master_addr = "0.0.0.0"' in members["config.toml"]
+    # (and a package written before `run.elastic` became `run.membership` still reads)
+    members["config.toml"] = members["config.toml"].replace(b'membership = "fixed"', b"elastic = false")
+    assert b"elastic = false" in members["config.toml"]
     hostile = write_archive(tmp_path / "hostile.fastjob", members, folder / "author.key")
     trusted = str(folder / "author.pub")
     config = load_config(str(hostile), package__trusted_key=trusted)

@@ -182,8 +182,9 @@ def test_no_process_without_the_secret_changes_a_run_and_a_malformed_request_is_
     and a fuzz of the protocol, while a holder of the secret sends malformed requests. The run goes on to its end:
     until its owner stops it, nobody left or joined, its accuracy."""
     run = tmp_path / "run"
-    sets = {"data.name": "digits", "model.name": "mlp", "run.elastic": "true", "run.workers": 3, "run.epochs": 100000,
-            "run.batch_size": 32, "run.eval_every": 0, "run.log_every": 10}  # (ended by its owner) # fmt: skip
+    # (a run its owner ends, with fast stop)
+    sets = {"data.name": "digits", "model.name": "mlp", "run.membership": "live", "run.workers": 3,
+            "run.epochs": 100000, "run.batch_size": 32, "run.eval_every": 0, "run.log_every": 10}  # fmt: skip
     command = [FAST, "train", "--out", str(run), *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     env = {**os.environ, "FAST_PROGRESS": "0"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

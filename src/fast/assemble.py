@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from fast.archive import PACKAGE_SUFFIX, check_trust, read_package
 from fast.codecs import CODECS, build_codec, codec_options
-from fast.config import CodecConfig, Config, _describe, apply_overrides, load_dict
+from fast.config import CodecConfig, Config, _describe, apply_overrides, check_renamed, load_dict, without_renamed
 from fast.errors import ConfigError
 from fast.optim import check_optimizer, check_schedule
 from fast.ownership import check_owner_keys, without_machine_keys
@@ -26,6 +26,7 @@ def build_config(data: dict[str, Any]) -> Config:
             "this config has [[variant]] tables: run it with `fast compare` (or `fast predict`), "
             "or remove them to train the base job"
         )
+    check_renamed(data)
     try:
         config = Config.model_validate(data)
     except ValidationError as e:
@@ -78,24 +79,24 @@ def world_size(config: Config) -> int:
 
 
 def check_membership(config: Config) -> None:
-    """ConfigError for an elastic run (`run.elastic`) its strategy or its other keys cannot give live membership,
-    and for churn in a run that is not elastic."""
+    """ConfigError for a live run (`run.membership = "live"`) its strategy or its other keys cannot give live
+    membership, and for churn in a run that is not live."""
     run = config.run
-    if config.faults is not None and config.faults.churn is not None and not run.elastic:
+    if config.faults is not None and config.faults.churn is not None and not run.live:
         raise ConfigError("[faults] churn takes workers out and brings them back through `fast join`: set "
-                          "run.elastic = true")  # fmt: skip
-    if not run.elastic:
+                          "run.membership = 'live'")  # fmt: skip
+    if not run.live:
         return
     strategy = strategy_for(config)
     if not strategy.joins:
         from fast.strategies import registry
 
         taking = ", ".join(sorted(name for name, cls in registry().items() if cls.joins))
-        raise ConfigError(f"run.elastic: strategy {config.strategy.name!r} does not take live membership changes "
-                          f"yet ({strategy.joins_why}); elastic runs take: {taking}")  # fmt: skip
+        raise ConfigError(f"run.membership = 'live': strategy {config.strategy.name!r} does not take live membership "
+                          f"changes yet ({strategy.joins_why}); live runs take: {taking}")  # fmt: skip
     faults = config.faults
     refused = {
-        "run.max_restarts": (run.max_restarts, "restarts every worker from a checkpoint: an elastic run heals live"),
+        "run.max_restarts": (run.max_restarts, "restarts every worker from a checkpoint: a live run heals live"),
         "[compute]": (config.compute, "per-rank compute emulation cannot follow members whose ranks change"),
         "[faults] crash or link_down": (
             faults is not None and (faults.crash or faults.link_down),
@@ -112,7 +113,7 @@ def check_membership(config: Config) -> None:
         }
     for key, (set_, why) in refused.items():
         if set_:
-            raise ConfigError(f"run.elastic with {key}: {why}; leave one of them out")
+            raise ConfigError(f"run.membership = 'live' with {key}: {why}; leave one of them out")
     if run.min_workers > run.workers:
         raise ConfigError(f"run.min_workers = {run.min_workers} is more than the {run.workers} workers the run starts "
                           "with: lower it")  # fmt: skip
@@ -203,7 +204,7 @@ def with_package(data: dict[str, Any]) -> dict[str, Any]:
     owner's to change (fast.ownership)."""
     package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
     check_trust(package, data["package"].get("trusted_key"), data["package"].get("unsigned"))
-    base, schema = without_machine_keys(package.config), package.schema
+    base, schema = without_machine_keys(without_renamed(package.config)), package.schema
     packed = flat(base)
     changed = {key: value for key, value in flat(data).items() if value != packed.get(key)}
     check_owner_keys(changed, schema["open"], schema["fixed"])

@@ -153,7 +153,7 @@ def start_group(
     make_comm: Callable[..., Comm] = Comm,
     connect_s: float | None = None,
 ) -> Comm:
-    """Form a default process group of `world_size` over `store` (one generation of an elastic run's membership,
+    """Form a default process group of `world_size` over `store` (one generation of a live run's membership,
     fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
     groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
     backend = backend_for(device)
@@ -193,7 +193,7 @@ def stop() -> None:
 
 
 def abort() -> None:
-    """Leave a broken group at once (an elastic run's member re-forming): its connections close, so a peer still
+    """Leave a broken group at once (a live run's member re-forming): its connections close, so a peer still
     waiting in one of its collectives fails now rather than at its deadline. Nothing of it is waited for."""
     if dist.is_initialized():
         from torch.distributed.distributed_c10d import _abort_process_group

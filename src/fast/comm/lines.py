@@ -1,5 +1,5 @@
 """A line: a small gloo group of its own, made straight from a store, with no default group behind it, so that
-one process holds as many as it needs and makes them at any time (an elastic run's asynchronous workers and
+one process holds as many as it needs and makes them at any time (a live run's asynchronous workers and
 their servers, fast.runtime.detached). Its members are numbered by the line itself (0, 1, ...); it carries
 point-to-point traffic only, counted like any `Comm`'s.
 """

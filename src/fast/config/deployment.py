@@ -176,7 +176,7 @@ class LinkDown(_Table):
 
 
 class Churn(_Table):
-    """Workers that leave and come back at random, each on its own exponential clock (run.elastic)."""
+    """Workers that leave and come back at random, each on its own exponential clock (run.membership = "live")."""
 
     lifetime: str | float = Field(description="a worker's mean time in the run before it leaves (worker 0 stays)")
     absence: str | float = Field(description="its mean time away before it comes back, through `fast join`")
@@ -196,4 +196,6 @@ class Churn(_Table):
 class FaultsConfig(_Table):
     crash: list[Crash] = Field(default_factory=list, description="workers that stop at a step or time")
     link_down: list[LinkDown] = Field(default_factory=list, description="links down for an interval")
-    churn: Churn | None = Field(None, description="workers leave and come back at random (needs run.elastic)")
+    churn: Churn | None = Field(
+        None, description="workers leave and come back at random (needs run.membership = 'live')"
+    )

@@ -60,7 +60,7 @@ class RunConfig(Section):
         None,
         ge=1,
         description="stop once the workers together have trained on this many samples (a language model's: "
-        "sequences), at the first step (a round, for the periodic family in an elastic run) that reaches it",
+        "sequences), at the first step (a round, for the periodic family in a live run) that reaches it",
     )
     max_time: str | float | None = Field(
         None, description='stop training after this much training time, e.g. "5min" (evaluation off the clock)'
@@ -72,11 +72,15 @@ class RunConfig(Section):
     )
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none")
     max_restarts: int = Field(0, ge=0, description="restart every worker from the last checkpoint this often")
-    elastic: bool = Field(
-        False, description="live membership: workers leave and join the running job (`fast join`), healed from a peer"
+    membership: Literal["fixed", "live"] = Field(
+        "fixed",
+        description='"live": workers leave and join the running job (`fast join`), healed from a peer; "fixed": the '
+        "workers it starts with, to the end",
     )
-    min_workers: int = Field(1, ge=1, le=256, description="elastic: the run fails when fewer workers remain")
-    max_workers: int = Field(0, ge=0, le=256, description="elastic: joiners beyond this many workers wait; 0 = 256")
+    min_workers: int = Field(1, ge=1, le=256, description="live membership: the run fails when fewer workers remain")
+    max_workers: int = Field(
+        0, ge=0, le=256, description="live membership: joiners beyond this many workers wait; 0 = 256"
+    )
     deadline_s: float = Field(
         60.0, gt=0, le=1e6, description="deadline of every blocking communication call (gloo counts it in 32 bits)"
     )
@@ -142,6 +146,11 @@ class RunConfig(Section):
             if seconds < 0:
                 raise ValueError(f'must be a duration such as "20ms", or {alternatives}')
         return value
+
+    @property
+    def live(self) -> bool:
+        """Whether the run's membership is live (workers leave and join while it runs)."""
+        return self.membership == "live"
 
     @property
     def max_time_s(self) -> float | None:
@@ -343,12 +352,34 @@ class Config(Section):
         return tomli_w.dumps(self.to_dict())
 
 
+# keys that were renamed: what to write instead
+RENAMED = {"run.elastic": 'run.membership = "live" (or "fixed")'}
+
+
+def check_renamed(data: dict[str, Any]) -> None:
+    """ConfigError naming the new key for a key of an older FAST (RENAMED)."""
+    for old, new in RENAMED.items():
+        table, key = old.split(".")
+        if isinstance(data.get(table), dict) and key in data[table]:
+            raise ConfigError(f"`{old}` is now `{new}`: write that instead")
+
+
+def without_renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without the keys of an older FAST (a package written before a rename)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old in RENAMED:
+        table, key = old.split(".")
+        if isinstance(out.get(table), dict):
+            out[table].pop(key, None)
+    return out
+
+
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
     key = ".".join(str(p) for p in first["loc"] if p != "__root__") or "config"
     kind = first["type"]
     if kind == "extra_forbidden":
-        return f"unknown key `{key}`: remove it or check its spelling (see the config reference in the README)"
+        return f"unknown key `{key}`: remove it or check its spelling (see docs/configuration.md)"
     if kind == "missing":
         return f"missing key `{key}`: add it to the config"
     if kind == "literal_error":

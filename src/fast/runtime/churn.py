@@ -1,4 +1,4 @@
-"""`[faults] churn`: workers of an elastic run leave and come back at random, driven by its launcher.
+"""`[faults] churn`: workers of a live run leave and come back at random, driven by its launcher.
 
 Each member but worker 0 stays an exponential time of mean `lifetime`, then is told to leave (through the
 membership's store: it kills itself, as a crash, or stops on SIGTERM, as a clean leave). After an exponential

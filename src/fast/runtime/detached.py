@@ -1,4 +1,4 @@
-"""Asynchronous members of an elastic run: `run.elastic` with a strategy whose workers never step together and
+"""Asynchronous members of a live run: `run.membership = "live"` with a strategy whose workers never step together and
 `joins_alone` (async-ps); a part of fast.runtime.job.Job.
 
 Such workers take no membership rounds. Each holds a line of its own to the servers (fast.comm.lines), formed
@@ -133,7 +133,7 @@ class ServerLines:
 
 
 class Detached:
-    """The asynchronous members' part of a Job (only used when `run.elastic` and the strategy `joins_alone`)."""
+    """The asynchronous members' part of a Job (only in a live run whose strategy `joins_alone`)."""
 
     def _start_detached(self) -> None:
         """A server: its lines, worker 0's first. A worker: its member (a joiner waits to be in a generation), then

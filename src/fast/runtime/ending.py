@@ -188,7 +188,7 @@ class Ending:
             self.finish()
 
     def _finish_worker(self) -> dict[str, Any] | None:
-        if self.elastic:  # the members are at the same step: nobody is admitted from here on
+        if self.live:  # the members are at the same step: nobody is admitted from here on
             self._membership_ends()
         elif self.lockstep and self.workers > 1:
             self._join()
@@ -199,11 +199,11 @@ class Ending:
         self.trained_s = self.clock.now()
         self.timeline.stop_counting()
         self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
-        if self.lockstep and self.workers > 1 and not self.elastic:
+        if self.lockstep and self.workers > 1 and not self.live:
             self.strategy.steps_of_all = self._last_step_of_all  # the most steps any worker took with data
         self.strategy.end_of_run()
         self.records.close()
-        if self.strategy.survives_failures and not self.elastic:  # (an elastic run's members end together)
+        if self.strategy.survives_failures and not self.live:  # (a live run's members end together)
             return self._gather_from_survivors()
         if self.detached:  # worker 0 alone evaluates the servers' final weights, which every worker holds
             if self._eval_fn is not None:
@@ -252,7 +252,7 @@ class Ending:
             "empty_steps": self.step - self._ran_out_at if self._ran_out_at is not None else 0,
             "bytes_sent_in_empty_steps": self._bytes_in_empty_steps(),
             "samples": self.driver.samples,
-            "samples_reported": self._samples_reported if self.elastic and not self.detached else None,
+            "samples_reported": self._samples_reported if self.live and not self.detached else None,
             "skipped_steps": self.skipped_steps,
             "steps_skipped_by_the_loop": self.driver.loop_skipped,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
@@ -403,14 +403,14 @@ class Ending:
         (self.run_dir / "workers" / "trace-waits-for-peers.json").write_text(json.dumps(events))
 
     def _reported_figures(self) -> dict[str, Any]:
-        """What an elastic run's summary counts of this member if it is gone by the end (`Member.report`: read on
+        """What a live run's summary counts of this member if it is gone by the end (`Member.report`: read on
         the heartbeat's thread, from the start, before the first group is formed)."""
         world, driver = getattr(self, "world", None), getattr(self, "driver", None)
         return {"rank": self.rank, "counter": world.counter.snapshot() if world is not None else None,
                 "samples": driver.samples if driver is not None else 0}  # fmt: skip
 
     def _figures_of_departed(self, present: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The figures of the members of an elastic run that were gone by its end, as of their last heartbeat."""
+        """The figures of the members of a live run that were gone by its end, as of their last heartbeat."""
         ever = {m for event in self.membership for m in event["members"]}
         gone = sorted(ever - {p["rank"] for p in present})
         figures = [self.member.figures_of(member) for member in gone]
@@ -420,7 +420,7 @@ class Ending:
         config, run = self.config, self.config.run
         trainers = [p for p in everyone if not p["server"]]
         # what the members gone by the end trained on and sent counts too (a fixed world's: nobody is gone)
-        departed = self._figures_of_departed(everyone) if self.elastic else []
+        departed = self._figures_of_departed(everyone) if self.live else []
         counted = everyone + departed
         evals = self.records.evals
         final = evals[-1] if evals else {}
@@ -431,7 +431,7 @@ class Ending:
         spreads = [p["compute_spread"] for p in trainers if p.get("compute_spread") is not None]
         requests = [p["request_s"] for p in everyone if p.get("request_s") is not None]
         steps = everyone[0]["steps"]  # worker 0's (asynchronous workers may end at different steps)
-        if self.elastic and not self.detached:  # as the members reported them at each boundary (fast.runtime.live)
+        if self.live and not self.detached:  # as the members reported them at each boundary (fast.runtime.live)
             samples = self.samples_trained + sum(p["samples"] - p["samples_reported"] for p in trainers)
         else:  # what the loop passed through the model (its first dimension), else steps x batch size
             samples = sum(p.get("samples") or p["steps"] * self.batch_size for p in trainers)
@@ -514,7 +514,7 @@ class Ending:
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }
         summary.update(run_throughput([p.get("throughput") or {} for p in trainers]))
-        if self.elastic:
+        if self.live:
             summary["membership"] = self.membership
             summary["workers_at_end"] = self.workers
             # (the first generation's are the founders' first weights, not a catch-up)

@@ -92,9 +92,9 @@ class Evaluating:
         strategy = self.strategy
         # during the run, worker 0 alone where a peer may be gone (its strategy survives it, or the membership
         # re-forms without it)
-        # (detached members of an elastic run share no group: worker 0 alone, at the end too)
+        # (detached members of a live run share no group: worker 0 alone, at the end too)
         collective = (final and not self.detached) or (
-            strategy.collective_eval and not strategy.survives_failures and not self.elastic
+            strategy.collective_eval and not strategy.survives_failures and not self.live
         )
         if not collective and not self.is_main:
             return {}

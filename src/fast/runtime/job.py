@@ -206,12 +206,12 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         run = config.run
         self.workers = run.workers
         # live membership: the rank is the member's id for the run's life, its place in a group changes
-        self.elastic = run.elastic
-        self.detached = self.elastic and strategy_for(config).joins_alone  # (fast.runtime.detached)
-        if self.elastic and not self.simulated and ADDRESS_VARIABLE not in os.environ:
-            raise ConfigError("run.elastic: start the run with `fast train` or `fast run`, whose launcher keeps its "
-                              "membership (not torchrun, nor the script alone)")  # fmt: skip
-        if self.elastic:
+        self.live = run.live
+        self.detached = self.live and strategy_for(config).joins_alone  # (fast.runtime.detached)
+        if self.live and not self.simulated and ADDRESS_VARIABLE not in os.environ:
+            raise ConfigError("run.membership = 'live': start the run with `fast train` or `fast run`, whose launcher "
+                              "keeps its membership (not torchrun, nor the script alone)")  # fmt: skip
+        if self.live:
             self.rank = self.rank if self.simulated else int(os.environ.get("FAST_MEMBER_ID", self.rank))
             self.world_size = world_size(config)
         expected = world_size(config)
@@ -220,9 +220,9 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
                 f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
                 "strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes (torchrun) to match"
             )
-        # an elastic run's servers are launched with it (joiners' ids come after theirs); only detached ones have any
+        # a live run's servers are launched with it (joiners' ids come after theirs); only detached ones have any
         founder = os.environ.get("FAST_JOINING") != "1"
-        self.is_server = self.rank >= self.workers and (not self.elastic or (self.detached and founder))
+        self.is_server = self.rank >= self.workers and (not self.live or (self.detached and founder))
         self.is_worker = not self.is_server
         self.is_main = self.rank == 0
         self.finished = False
@@ -240,11 +240,11 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self.device = engine.device_for(run.device)
         if self.detached:
             self._start_detached()  # the world: this process's line (a server's: worker 0's)
-        elif self.elastic:
+        elif self.live:
             self._start_membership()  # the world, its group and the control group, from the newest generation
         self.world: Comm = (
             self.world
-            if self.elastic
+            if self.live
             else simulated_world(self.rank, self.device, run.deadline_s)
             if self.simulated
             else engine.start(
@@ -261,7 +261,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         if self.world_size > self.workers:  # workers and servers each get a group of their own
             partition.append(list(range(self.workers, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 and not self.detached else self.world
-        run_shared_memory = run.shared_memory and not self.elastic
+        run_shared_memory = run.shared_memory and not self.live
         if run_shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
             for comm in self._own_groups():
                 comm.local_sums = LocalSums(comm)  # made lazily: a sum's memory at the first all-reduce of its size
@@ -283,12 +283,12 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         )
         self.strategy: Strategy = build_strategy(config, self.context)
         self.busy = self._busy_board()
-        point_to_point = self.strategy.survives_failures and not self.elastic  # (membership re-forms the group)
-        if not self.elastic:
+        point_to_point = self.strategy.survives_failures and not self.live  # (membership re-forms the group)
+        if not self.live:
             self.control = Control(self.world.subgroups(partition, gloo=True), self.rank, point_to_point, strategy_name)
         # the end of a run that survives failures: a line on which waiting for a silent process breaks nothing
         self.ending_line = PatientGroup(self.world) if point_to_point else None
-        if not self.simulated and not self.elastic:
+        if not self.simulated and not self.live:
             # new_group returns on one rank before its peers have connected: a process that ended right after
             # init would break their connecting, so no process leaves init before all are connected
             self.world.barrier()
@@ -300,7 +300,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             autocast=self._autocast_factory(),
         )
         self.driver.on_begin = self._step_begins
-        if self.elastic and not self.detached:  # (a detached worker's line fails alone: a server is gone)
+        if self.live and not self.detached:  # (a detached worker's line fails alone: a server is gone)
             self.driver.on_failure = self._step_failed
         self._schedule_state: dict[str, Any] | None = None
         self._checkpoint_due = False
@@ -339,7 +339,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     def _busy_board(self) -> BusyBoard | None:
         """A lock-step run's board (fast.comm.busy): its collectives wait on for a peer that computes past the
         deadline (an evaluation on one rank) and give up on one that is frozen or waits itself."""
-        if self.elastic or self.simulated or self.world_size == 1 or not self.lockstep:
+        if self.live or self.simulated or self.world_size == 1 or not self.lockstep:
             return None
         board = BusyBoard(torch.distributed.distributed_c10d._get_default_store(), self.rank, f"worker {self.rank}")
         with_deadline(None, self.config.run.deadline_s + BUSY_LIMIT_S)  # the backend's own limit, past FAST's
@@ -369,7 +369,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
 
     @property
     def samples_per_step(self) -> int:
-        """The samples one step of every worker trains on together (the members', in an elastic run)."""
+        """The samples one step of every worker trains on together (the members', in a live run)."""
         return self.workers * self.batch_size
 
     @property
@@ -410,7 +410,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             with self.world.unmetered():
                 for server in servers:
                     self.world.send(torch.tensor([layout.parameters, layout.state]), server, tag=LAYOUT_TAG)
-        if self.elastic and not self.detached:
+        if self.live and not self.detached:
             self._set_up_live(lambda: self.strategy.setup(model, optimizer))
         else:
             self.strategy.setup(model, optimizer)
@@ -418,7 +418,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         offset = self._restore() if self.resuming else 0.0
         if self.detached:  # every worker from the servers' weights
             self._catch_up()
-        elif self.elastic:  # the common start: every member from member 0's state
+        elif self.live:  # the common start: every member from member 0's state
             self._first_heal()
         else:
             self.world.barrier()  # the common start, servers included
@@ -484,7 +484,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         the last one cut short) unless run.max_steps or run.max_time ends training first."""
         count = self.config.run.epochs if count is None else count
         self._plan(count)
-        if self.elastic:  # the passes of the data cursor, which a joiner takes up where the run stands
+        if self.live:  # the passes of the data cursor, which a joiner takes up where the run stands
             while self.data_epoch < math.ceil(count) and not self.stopped:
                 yield self.data_epoch
             return
@@ -500,7 +500,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             return
         total = math.ceil(epochs * self.steps_per_epoch)
         self.total_steps = min(total, self.config.run.max_steps or total)
-        if self.config.run.max_samples is not None and not self.elastic:  # (elastic: the members count, live)
+        if self.config.run.max_samples is not None and not self.live:  # (live: the members count)
             self.total_steps = min(self.total_steps, math.ceil(self.config.run.max_samples / self.samples_per_step))
         if self.detached:  # each worker takes what it can of the work queue, which ends the run
             self.total_steps = self.config.run.max_steps
@@ -525,7 +525,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         that the run's length may be known."""
         self._flush_checkpoint()
         self._settle()
-        if self.elastic and not self.detached:
+        if self.live and not self.detached:
             self._membership_boundary()
         if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
             self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
@@ -541,7 +541,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             self.schedule.step()
         done = self.step
         self.trained_s = self.clock.now()
-        if self.elastic and not self.detached:  # the step is taken: the data cursor moves past every member's batch
+        if self.live and not self.detached:  # the step is taken: the data cursor moves past every member's batch
             self.data_cursor += self.samples_per_step
         elif self.lockstep and self._check_due(done):
             self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
@@ -692,7 +692,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     # -- the process's end -------------------------------------------------------------------------------------------
     def _close(self) -> None:
         self.finished = True
-        if self.elastic and not self.is_server:
+        if self.live and not self.is_server:
             self._close_membership()
         if self.detached:
             self._close_lines()

@@ -1,5 +1,6 @@
-"""A worker's part in live membership (`run.elastic`): it forms each generation's group, switches at its strategy's
-change points, survives a step a lost peer broke, and heals from a live peer (a part of fast.runtime.job.Job).
+"""A worker's part in live membership (`run.membership = "live"`): it forms each generation's group, switches at its
+strategy's change points, survives a step a lost peer broke, and heals from a live peer (a part of
+fast.runtime.job.Job).
 
 Before each step (in the loader, before its batch is chosen, or at the step's first forward) the members take one
 round together: member 0 reads whether the coordinator (fast.runtime.membership) has published a newer generation,
@@ -9,7 +10,7 @@ each joiner and to each member whose step is not its own, never through a file. 
 peer died in it) is discarded on every survivor: no update is applied, the data cursor does not move, and the step
 is taken again over the new group, so no sample is lost or seen twice.
 
-The data of an elastic run is one cursor through each epoch's order, the same on every member: at each step the
+The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
 """
 
@@ -57,7 +58,7 @@ def fingerprint(state: dict[str, Any]) -> str:
 
 
 class Live:
-    """The live-membership part of a Job (only used when `run.elastic`)."""
+    """The live-membership part of a Job (only used when `run.membership = "live"`)."""
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""

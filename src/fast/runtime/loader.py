@@ -11,7 +11,7 @@ in step, the workers agree after each batch whether all of them have one, so the
 
 Each pass over the loader is the next epoch. After a resume the first pass skips the batches already done.
 
-An elastic run (`run.elastic`) has no shards: its members share one cursor through each epoch's order (a seeded
+A live run (`run.membership = "live"`) has no shards: its members share one cursor through each epoch's order (a seeded
 permutation of the whole dataset), and at each step the member of rank r of n takes the r-th of the next n
 batches, so that members may come and go without a sample lost or seen twice (fast.runtime.live).
 """
@@ -118,10 +118,11 @@ class ShardedLoader:
         self.num_workers = config.data.loader_workers if num_workers is None else num_workers
         self.streaming = isinstance(dataset, IterableDataset)
         self.steps_per_epoch: int | None = None
-        if self.streaming and getattr(job, "elastic", False):
-            raise ConfigError("run.elastic needs a map-style dataset (its members share one cursor through it): "
-                              "an IterableDataset cannot be taken up where a leaving worker stood")  # fmt: skip
-        if getattr(job, "elastic", False):
+        if self.streaming and getattr(job, "live", False):
+            raise ConfigError("run.membership = 'live' needs a map-style dataset (its members share one cursor "
+                              "through it): an IterableDataset cannot be taken up where a leaving worker "
+                              "stood")  # fmt: skip
+        if getattr(job, "live", False):
             self.shard = torch.arange(len(dataset))
             planned = config.run.workers * batch_size  # the run's length is planned for the workers it starts with
             if len(dataset) < planned:
@@ -165,7 +166,7 @@ class ShardedLoader:
         if getattr(job, "detached", False):
             yield from self._queue()
             return
-        if getattr(job, "elastic", False):
+        if getattr(job, "live", False):
             yield from self._cursor()
             return
         self.epoch, skip = self._start()
@@ -186,7 +187,7 @@ class ShardedLoader:
             yield batch
 
     def _cursor(self) -> Iterator[Any]:
-        """One pass of an elastic run: this member's batch of each step, from the cursor the members share."""
+        """One pass of a live run: this member's batch of each step, from the cursor the members share."""
         job, b = self.job, self.batch_size
         self.epoch = job.data_epoch
         order = self.shard
@@ -205,7 +206,7 @@ class ShardedLoader:
             yield next(self._fetch([order[start : start + b]]))
 
     def _queue(self) -> Iterator[Any]:
-        """One pass of an elastic run's detached workers (fast.runtime.detached): the batches this worker takes
+        """One pass of a live run's detached workers (fast.runtime.detached): the batches this worker takes
         from the run's work queue, through the epoch's order, until the queue moves to the next epoch."""
         job, b = self.job, self.batch_size
         self.epoch, per_epoch = job.data_epoch, len(self.shard) // b

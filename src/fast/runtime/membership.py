@@ -1,4 +1,4 @@
-"""Live membership: who is in an elastic run (`run.elastic`), generation by generation, on c10d's TCPStore.
+"""Live membership: who is in a live run (`run.membership = "live"`), generation by generation, on c10d's TCPStore.
 
 The launcher of the run hosts the store and runs the `Coordinator`; every worker holds a `Member`. The store is
 the one engine (as torchrun's rendezvous): atomic counters and keys, no consensus of FAST's own. A generation is

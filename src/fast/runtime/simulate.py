@@ -27,7 +27,7 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
              survivable: bool = False) -> dict[int, Any]:  # fmt: skip
     """Run `fn(*args)` as each of `nprocs` simulated processes; returns each rank's return value, or raises
     WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out). An
-    elastic run (`run.elastic`) keeps its membership in the simulation (fast.runtime.simulated_membership)."""
+    live run (`run.membership = "live"`) keeps its membership in the simulation (fast.runtime.simulated_membership)."""
     sim = Simulation()
     links = link_table(config, nprocs) if config.network is not None else ideal_links(nprocs)
     wire = start(sim, nprocs, links, config.run.seed)
@@ -43,7 +43,7 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
     try:
         tasks = [sim.spawn(lambda: fn(*args), f"worker {r}" if r < workers else f"server {r - workers + 1}",
                            rank=r, main=True) for r in range(nprocs)]  # fmt: skip
-        if config.run.elastic:
+        if config.run.live:
             membership = SimulatedMembership(
                 sim, wire, config, nprocs, lambda r: sim.spawn(lambda: fn(*args), f"worker {r}", rank=r, main=True)
             )

@@ -7,8 +7,8 @@ server its slice of the gradients summed since its last push; every `pull_every`
 The workers' optimizer does not step unless `local_steps`. `staleness_lr` divides each update by its staleness
 (Zhang et al. 2016); `delay_compensation = λ` applies DC-ASGD (Zheng et al. 2017). A `[codec]` encodes pushes.
 
-In an elastic run (`run.elastic`) the workers join and leave alone (fast.runtime.detached): each on a line of its
-own to the servers (ranks 1.. of it), a joiner catching up with a pull.
+In a live run (`run.membership = "live"`) the workers join and leave alone (fast.runtime.detached): each on a line of
+its own to the servers (ranks 1.. of it), a joiner catching up with a pull.
 
 On the server protocol (fast.strategies.server): a dead worker is forgotten; at the end each worker pushes what it
 has, says DONE (with its lost pulls) and gets the final weights and the servers' figures. On a lossy emulated
@@ -93,12 +93,12 @@ class AsyncPS(ServerStrategy):
 
     def _layout(self, numel: int) -> None:
         self.numel = numel
-        first = 1 if self.ctx.config.run.elastic else self.ctx.workers  # (a detached worker's line: it, then them)
+        first = 1 if self.ctx.config.run.live else self.ctx.workers  # (a detached worker's line: it, then them)
         self.servers = list(range(first, first + self.options.servers))
         self.bounds = shard_bounds(numel, self.options.servers)
         self.codec = self.make_codec()
         self.line = PatientGroup(self.world)  # requests, weights, the end: one line that never times gloo out
-        self.lines_of_members: dict[int, PatientGroup] = {}  # a server's, to an elastic run's detached workers
+        self.lines_of_members: dict[int, PatientGroup] = {}  # a server's, to a live run's detached workers
         self.one_at_a_time = timing.Lock()  # requests read on several lines are answered as one line's are
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -118,7 +118,7 @@ class AsyncPS(ServerStrategy):
                     self.line.send(flat[start:end].contiguous(), server, FINAL_TAG)
 
     def catch_up(self) -> None:
-        """The servers' weights (an elastic run's worker, at its start)."""
+        """The servers' weights (a live run's worker, at its start)."""
         self._exchange(PULL, True)
 
     def gradients_stay_local(self, step: int) -> bool:

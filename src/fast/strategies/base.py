@@ -52,12 +52,12 @@ class Strategy:
     # True: the servers write checkpoints of their own (through `ctx.save_checkpoint`, a dict with its "step"),
     # so on resume they take part in choosing the step every process resumes from (fast.runtime.checkpoints)
     server_checkpoints: ClassVar[bool] = False
-    # True: the strategy takes live membership changes (`run.elastic`, fast.runtime.live): workers leave and join
-    # at its change points, and `regroup` re-makes what it built on the old group; `joins_why` says why not
+    # True: the strategy takes live membership changes (`run.membership = "live"`, fast.runtime.live): workers leave and
+    # join at its change points, and `regroup` re-makes what it built on the old group; `joins_why` says why not
     joins: ClassVar[bool] = False
     joins_when: ClassVar[str] = "every step"  # when a change may happen (`change_point`), for the reference
     joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
-    # True: its workers never step together, so an elastic run's members take no membership rounds: each joins on
+    # True: its workers never step together, so a live run's members take no membership rounds: each joins on
     # lines of its own to the servers and heals by `catch_up` from them (fast.runtime.detached)
     joins_alone: ClassVar[bool] = False
     # what a joiner's catch-up carries besides the weights and the optimizer (`fast predict`): model-sized copies
@@ -173,7 +173,7 @@ class Strategy:
         self.model, self.optimizer = model, optimizer
         if getattr(self.options, "momentum_compensation", False):
             self.compensation = MomentumCompensation(optimizer)
-        if self.ctx.config.run.elastic:  # a live membership heals every member from member 0 instead
+        if self.ctx.config.run.live:  # a live membership heals every member from member 0 instead
             return
         with self.comm.unmetered():
             for tensor in model.state_dict().values():

@@ -76,6 +76,6 @@ class StrategyContext:
     save_checkpoint: Callable[[dict[str, Any]], None] | None = None
     # a server's work on one request runs inside this (its machine's `serving`: timed, and charged in a simulation)
     serving: Callable[[], AbstractContextManager[None]] = nullcontext
-    # a server of an elastic run's detached workers: its lines to them, formed as they come
+    # a server of a live run's detached workers: its lines to them, formed as they come
     # (fast.runtime.detached.ServerLines); None where the workers share one group with the servers
     lines: Any = None

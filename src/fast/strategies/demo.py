@@ -64,9 +64,9 @@ class DeMo(Sync):
             raise ConfigError(f"`optimizer.clip_norm` = {config.optimizer.clip_norm:g} with demo: FAST clips the "
                               "averaged gradient, which for demo is a sign (every entry ±1), so clipping would shrink "
                               "each step by the model's size; drop optimizer.clip_norm")  # fmt: skip
-        if config.run.elastic:
-            raise ConfigError("demo with run.elastic: its momenta are each worker's own and a joiner's would start "
-                              "empty mid-run; set run.elastic = false")  # fmt: skip
+        if config.run.live:
+            raise ConfigError("demo with run.membership = 'live': its momenta are each worker's own and a joiner's "
+                              "would start empty mid-run; set run.membership = 'fixed'")  # fmt: skip
 
     @classmethod
     def own_codec(cls, options: DeMoOptions) -> Codec:

@@ -67,9 +67,9 @@ class DiLoCo(PeriodicAveraging):
 
     @classmethod
     def check(cls, options: DiLoCoOptions, config: Config) -> None:
-        if getattr(options, "eager", False) and config.run.elastic:
-            raise ConfigError("`strategy.eager` with run.elastic: eager workers' θ differ, a joiner has no one θ to "
-                              "take; set strategy.eager = false")  # fmt: skip
+        if getattr(options, "eager", False) and config.run.live:
+            raise ConfigError("`strategy.eager` with run.membership = 'live': eager workers' θ differ, a joiner has "
+                              "no one θ to take; set strategy.eager = false")  # fmt: skip
 
     @property
     def eager(self) -> bool:

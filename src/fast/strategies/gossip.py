@@ -54,7 +54,7 @@ class Gossip(Strategy):
     Options = GossipOptions
     tags = (0,)
     survives_failures = True  # with a codec (CHOCO-SGD) a death stays fatal
-    joins = True  # at any step (run.elastic): the topology is re-made over the members
+    joins = True  # at any step (run.membership = "live"): the topology is re-made over the members
     cost_options = PEER_OPTIONS | {"overlap"}
     cost_defaults = {
         "overlap": 1.0
@@ -126,7 +126,7 @@ class Gossip(Strategy):
 
     def after_backward(self, step: int) -> None:
         arrived, lost, gone = self.exchange.finish()
-        if gone and self.ctx.config.run.elastic:  # the membership drops the peer: this step is taken again
+        if gone and self.ctx.config.run.live:  # the membership drops the peer: this step is taken again
             raise CommError(f"the exchange with workers {sorted(gone)} failed: the membership re-forms")
         index = self.comm.index
         newly_dead = {index(peer) for peer in gone}

@@ -55,7 +55,7 @@ class ServerLoop:
     def __init__(self, server: ServerStrategy, senders: list[int], lines: list[Line],
                  more_may_come: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
         self.server, self.senders, self.lines = server, list(senders), lines
-        self.more_may_come = more_may_come  # an elastic run's: senders may still join (`add`)
+        self.more_may_come = more_may_come  # a live run's: senders may still join (`add`)
         self.done: set[int] = set()
         self.heard: dict[int, float] = {}
         self.changed = timing.Condition()
@@ -193,7 +193,7 @@ class ServerStrategy(Strategy):
         lines = self.ctx.lines
         if lines is None:
             loop = ServerLoop(self, self.senders(), self.lines())
-        else:  # an elastic run's workers, each on a line of its own, as they come (fast.runtime.detached)
+        else:  # a live run's workers, each on a line of its own, as they come (fast.runtime.detached)
             loop = ServerLoop(self, [], [], more_may_come=lambda: not lines.closed())
             for member in lines.follow(lambda member, comm: loop.add(member, self.line_of(member))):
                 loop.add(member, self.line_of(member))
@@ -208,7 +208,7 @@ class ServerStrategy(Strategy):
         raise NotImplementedError
 
     def senders(self) -> list[int]:
-        """The ranks that send requests (the workers; EA-wild: the group leaders; an elastic run's detached
+        """The ranks that send requests (the workers; EA-wild: the group leaders; a live run's detached
         workers: those whose lines have formed)."""
         if self.ctx.lines is not None:
             return list(self.ctx.lines.lines)
@@ -221,7 +221,7 @@ class ServerStrategy(Strategy):
         raise NotImplementedError
 
     def line_of(self, member: int) -> Line:
-        """The line of an elastic run's detached worker (fast.runtime.detached), for strategies that `joins_alone`."""
+        """The line of a live run's detached worker (fast.runtime.detached), for strategies that `joins_alone`."""
         raise NotImplementedError
 
     def line_to(self, sender: int) -> tuple[Comm, int]:

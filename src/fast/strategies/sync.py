@@ -112,7 +112,7 @@ class Sync(Strategy):
     cost_options = COLLECTIVE_OPTIONS | {"overlap"}
     waits_every_step = True
     reduces_in_shared_memory = True
-    joins = True  # at every step (run.elastic)
+    joins = True  # at every step (run.membership = "live")
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
@@ -131,9 +131,9 @@ class Sync(Strategy):
                 f"`strategy.hierarchical` = {g} does not divide run.workers = {config.run.workers}: "
                 f"choose a group size that divides the number of workers"
             )
-        if g and config.run.elastic:
-            raise ConfigError(f"`strategy.hierarchical` = {g} with run.elastic: groups of a fixed size cannot follow a "
-                              "changing membership; set strategy.hierarchical = 0")  # fmt: skip
+        if g and config.run.live:
+            raise ConfigError(f"`strategy.hierarchical` = {g} with run.membership = 'live': groups of a fixed size "
+                              "cannot follow a changing membership; set strategy.hierarchical = 0")  # fmt: skip
         if g and config.codec.name != "none":
             raise ConfigError(
                 f"`codec.name` = {config.codec.name!r} with `strategy.hierarchical` = {g}: hierarchical all-reduce "
@@ -187,8 +187,8 @@ class Sync(Strategy):
             return [Bucket(run, zeros) for run in runs]
         first_hop = self.group or self.comm
         run = self.ctx.config.run
-        # an elastic run's group changes: sums go through the backend, which a lost peer cannot leave waiting
-        summers = [sum_buffer(first_hop, size + 1, run.shared_memory and not run.elastic) for size in sizes]
+        # a live run's group changes: sums go through the backend, which a lost peer cannot leave waiting
+        summers = [sum_buffer(first_hop, size + 1, run.shared_memory and not run.live) for size in sizes]
         return [Bucket(run, zeros, summer) for run, summer in zip(runs, summers, strict=True)]
 
     def _gradient_ready(self, p: nn.Parameter) -> None:

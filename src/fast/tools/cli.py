@@ -160,7 +160,7 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     j = sub.add_parser(
         "join",
-        help="join a running elastic job: fast join RUN_DIR, or --address HOST:PORT --token-file F --config C",
+        help="join a running live job: fast join RUN_DIR, or --address HOST:PORT --token-file F --config C",
     )
     j.add_argument("run_dir", nargs="?", help="the folder of a run of this machine (its address and secret are there)")
     j.add_argument("--address", metavar="HOST:PORT", help="the run's membership address (its membership.json)")
@@ -169,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--out", help="where this worker writes its metrics (default: the run folder)")
     j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     j.set_defaults(func=cmd_join)
-    st = sub.add_parser("stop", help="end a live elastic run cleanly: fast stop RUN_DIR, or --address --token-file")
+    st = sub.add_parser("stop", help="end a live run cleanly: fast stop RUN_DIR, or --address --token-file")
     st.add_argument("run_dir", nargs="?", help="the folder of a run of this machine")
     st.add_argument("--address", metavar="HOST:PORT", help="the run's membership address (its membership.json)")
     st.add_argument("--token-file", metavar="F", help="the run's secret (its membership.secret)")

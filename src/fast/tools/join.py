@@ -1,5 +1,5 @@
-"""`fast join`: a worker that joins a running elastic job (`run.elastic`), admitted by its membership and healed
-from a live peer (fast.runtime.live); it trains with the others to the end of the run.
+"""`fast join`: a worker that joins a running live job (`run.membership = "live"`), admitted by its membership and
+healed from a live peer (fast.runtime.live); it trains with the others to the end of the run.
 
     fast join RUN_DIR                                   a run of this machine: its address and secret are in RUN_DIR
     fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
@@ -22,11 +22,11 @@ from fast.strategies import strategy_class
 
 
 def live_run(command: str, folder: Path) -> tuple[str, Path]:
-    """The membership address and the secret's file of the live elastic run in `folder` (of this machine)."""
+    """The membership address and the secret's file of the live run in `folder` (of this machine)."""
     where = folder / ADDRESS_FILE
     if not where.is_file():
-        raise ConfigError(f"{command} {folder}: no live elastic run there (no {ADDRESS_FILE}): start one with "
-                          "run.elastic = true, or give --address and --token-file")  # fmt: skip
+        raise ConfigError(f"{command} {folder}: no live run there (no {ADDRESS_FILE}): start one with "
+                          "run.membership = 'live', or give --address and --token-file")  # fmt: skip
     found = json.loads(where.read_text())
     return f"{found['address']}:{found['port']}", folder / SECRET_FILE
 
@@ -50,8 +50,8 @@ def join(
     if address is None or token_file is None or config is None:
         raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config")
     job = load_config(config, **overrides)
-    if not job.run.elastic:
-        raise ConfigError("fast join: the config is not an elastic run's (run.elastic = false): nothing can join it")
+    if not job.run.live:
+        raise ConfigError("fast join: the config is not a live run's (run.membership = 'fixed'): nothing can join it")
     access = Access.parse(address, read_secret("fast join", Path(token_file)))
     member = request_admission(access, job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")

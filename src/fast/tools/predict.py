@@ -11,7 +11,7 @@ Nothing is trained. The inputs of the strategy's cost model (fast.pricing) come 
   Without `[network]`, `LOOPBACK`, or `SHARED_MEMORY` for a strategy that sums through it (`sync` on the CPU);
 - the message: the model's parameters as float32, or the size of the codec's frames when a codec is set; a codec
   whose frames are all-gathered adds its CPU work, timed here on the model's shapes (encode one, decode N−1);
-- an elastic run's catch-up (`run.elastic`): the state a joiner receives from a live peer, over that link, and
+- a live run's catch-up (`run.membership = "live"`): the state a joiner receives from a live peer, over that link, and
   with `[faults] churn` how many joiners an epoch brings (each catch-up holds up the members it heals with).
 
 Variants cannot be ranked by time to accuracy before training (the epochs each needs are unknown), so
@@ -64,7 +64,7 @@ TIMED_STEPS = 5
 
 @dataclass(frozen=True)
 class CatchUp:
-    """A joiner's catch-up in an elastic run: the state member 0 sends it, the time that takes on the link, and
+    """A joiner's catch-up in a live run: the state member 0 sends it, the time that takes on the link, and
     how often churn brings a joiner in (per second of the run)."""
 
     nbytes: int
@@ -87,7 +87,7 @@ class Prediction:
     parameters: int
     cc_ratio: float
     problem: str | None = None
-    catch_up: CatchUp | None = None  # an elastic run's
+    catch_up: CatchUp | None = None  # a live run's
 
     @property
     def epoch_s(self) -> float | None:
@@ -188,7 +188,7 @@ def predict(
         return replace(base, problem=f"no cost model for strategy {config.strategy.name!r}")
     if compute_s is None:
         compute_s = measure_compute_s(config, dataset, model, step_fn)
-    catch_up = price_catch_up(config, model, dataset, link, step_fn) if run.elastic else None
+    catch_up = price_catch_up(config, model, dataset, link, step_fn) if run.live else None
     try:
         cost = price(config, nbytes, compute_s, codec_work_s(config, model))
         return replace(base, cost=cost, catch_up=catch_up)
@@ -303,9 +303,9 @@ def prediction_table(predictions: list[Prediction]) -> Table:
     order = sorted(priced, key=lambda p: (p.epoch_s, p.name))
     rank = {p.name: i + 1 for i, p in enumerate(order)}
     table = Table(title="FAST predicted (cost model, nothing trained)", header_style="bold")
-    elastic = any(p.catch_up is not None for p in predictions)
+    live = any(p.catch_up is not None for p in predictions)
     columns = ["variant", "strategy", "workers", "step", "compute", "epoch", "bytes/step", "comm/compute", "first"]
-    if elastic:  # a joiner's catch-up, and how many churn brings in an epoch
+    if live:  # a joiner's catch-up, and how many churn brings in an epoch
         columns[-1:-1] = ["catch-up", "joins/epoch"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("variant", "strategy") else "right")
@@ -316,7 +316,7 @@ def prediction_table(predictions: list[Prediction]) -> Table:
         ratio = p.cost.comm_s / p.cost.compute_s if p.cost.compute_s > 0 else math.inf
         row = [p.name, p.strategy, str(p.workers), format_seconds(p.cost.time_s), format_seconds(p.cost.compute_s),
                format_seconds(p.epoch_s), format_bytes(p.bytes_per_step), f"{ratio:.2f}"]  # fmt: skip
-        if elastic:
+        if live:
             up = p.catch_up
             row += ["—", "—"] if up is None else [f"{format_bytes(up.nbytes)}, {format_seconds(up.seconds)}",
                                                   f"{up.joins_per_s * (p.epoch_s or 0):.1f}"]  # fmt: skip

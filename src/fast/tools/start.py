@@ -76,7 +76,7 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
                 return launch_elastic(
                     fn, nprocs, args, addr=addr, port=port, threads=threads, max_restarts=config.run.max_restarts
                 )
-        if config.run.elastic:
+        if config.run.live:
             return _launch_live(fn, config, run_dir, args, addr, threads, extra_env)
         survivable = strategy_for(config).survives_failures
         return launch(
@@ -92,7 +92,7 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
 
 def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str, threads: int,
                  extra_env: dict[str, str] | None) -> dict:  # fmt: skip
-    """An elastic run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
+    """A live run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
     any founder but worker 0 may die, and others join with `fast join`."""
     processes = config.run.workers + server_count(config)  # (a detached strategy's servers: fast.runtime.detached)
     coordinator = Coordinator(run_dir, config, addr, config.run.workers, first_joiner=processes)
@@ -121,7 +121,7 @@ def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict
     argv, main = list(sys.argv), sys.modules.get("__main__")
     try:
         with variables_set(extra_env or {}):
-            survivable = strategy_for(config).survives_failures or config.run.elastic
+            survivable = strategy_for(config).survives_failures or config.run.live
             return simulate(fn, config, nprocs, args, survivable=survivable)
     finally:
         sys.argv[:] = argv

@@ -1,4 +1,4 @@
-"""`fast stop`: end a live elastic run (`run.elastic`) cleanly, as `run.max_time` would: its members end together at
+"""`fast stop`: end a live run (`run.membership = "live"`) cleanly, as `run.max_time` would: its members end together at
 their next boundary, write their records, and the launcher its summary (exit code 0). A fixed run stops with Ctrl-C
 or SIGTERM to its launcher, and goes on with `fast train --resume`.
 

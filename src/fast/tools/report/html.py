@@ -295,7 +295,7 @@ MEMBERSHIP_EVENTS_SHOWN = 20
 
 
 def _membership_events(changes: list[dict[str, Any]]) -> list[str]:
-    """An elastic run's membership, change by change: who left and joined at which step, and the catch-up."""
+    """A live run's membership, change by change: who left and joined at which step, and the catch-up."""
     lines, shown = [], MEMBERSHIP_EVENTS_SHOWN
     if len(changes) - 1 > shown:
         lines.append(escape(f"{len(changes) - 1} membership changes; the first {shown} (all in summary.json's "

@@ -134,7 +134,7 @@ def report_figures(all_variants: list[Variant], targets: list[float | Target]) -
     """Every figure of the report, in reading order."""
     targets = series.ordered([series.as_target(t) for t in targets])
     plots = LINE_PLOTS[:2] + _metric_plots(targets) + LINE_PLOTS[2:]
-    if any(v.run.summary.get("membership") for v in all_variants):  # an elastic run: who was in, when
+    if any(v.run.summary.get("membership") for v in all_variants):  # a live run: who was in, when
         plots.append(MEMBERSHIP_PLOT)
     figures = [_line_figure(plot, all_variants) for plot in plots]
     figures.append(_staleness_figure(all_variants))

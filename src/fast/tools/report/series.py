@@ -115,7 +115,7 @@ def megabytes_sent_curve(run: Run) -> Curve:
 
 
 def membership_curve(run: Run) -> Curve:
-    """Workers in an elastic run (`run.elastic`) against seconds since its first membership, until its end."""
+    """Workers in a live run (`run.membership = "live"`) against seconds since its first membership, until its end."""
     changes = [c for c in run.summary.get("membership") or [] if isinstance(c, dict) and "unix_time" in c]
     if not changes:
         return [], []
