@@ -25,7 +25,8 @@ def gathered_state_dict(
     loads it. Collective inside the replica: each of its shards calls it. It is returned on the replica's shard 0
     (`everywhere`: on each shard); the others get {}. `local`: local shards of the model's state to gather instead
     of the model's own (the view's state_dict of a strategy's final model, fast.shards.local), by the same names.
-    Buffers (FSDP2 leaves them whole on each shard) are shard 0's."""
+    Buffers are the calling shard's own (FSDP2 leaves them whole on each shard, and BatchNorm's statistics differ
+    between shards as between DDP's processes without its buffer broadcast): on shard 0, shard 0's."""
     state = model.state_dict()
     keep = everywhere or _shard_index(model) == 0
     whole: dict[str, torch.Tensor] = {}
