@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import fast
+from fast.jobs.code import first_samples
 from fast.jobs.datasets import load_dataset, partition
-from fast.jobs.loop import first_samples
 from fast.jobs.models import build_model
 from fast.runtime.loader import epoch_order
 from fast.tools.cli import main

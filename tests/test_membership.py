@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from fast.assemble import load_config
 from fast.errors import ConfigError
-from fast.jobs.loop import UserCode, datasets, model_for
+from fast.jobs.code import load_data, make_model
 from fast.optim import build_optimizer
+from fast.parts import resolve
 from fast.runtime.loader import epoch_order
 from fast.tools.cli import main
 from tests.processes import listening
@@ -215,9 +216,10 @@ def _refusals(run: Path, tmp_path: Path) -> None:
 def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, torch.Tensor]:
     """Plain SGD in this process over the batches a live run's members took: at each step, the next
     n * batch_size samples of the epoch's order, n the members of that step's generation."""
-    config = load_config(run / "config.toml")
-    train, _ = datasets(config)
-    model = model_for(config, train, UserCode())
+    parts = resolve(run / "config.toml")
+    config = parts.config
+    train, _ = load_data(parts.data)
+    model = make_model(parts.model, train)
     optimizer = build_optimizer(config.optimizer, model.parameters())
     x, y = train.tensors
     b, epoch, cursor = config.run.batch_size, 0, 0

@@ -152,8 +152,10 @@ def test_fast_predict_takes_a_package_as_fast_train_does(tmp_path, capsys):
     assert main(["predict", str(archive), "--unsigned", "--set", "data.name=digits"]) == 0
     out = capsys.readouterr().out
     assert "model packed (mlp.fastjob): 50,826 parameters" in out and " sync " in out
+    # the links are the owner's machines: a package's own [network] is not a default (fast.ownership)
+    links = {"network__bandwidth": "20Mbit", "network__latency": "20ms"}
     packed = print_predictions(str(archive), Console(width=200), data__name="digits", strategy__name="local-sgd",
-                               package__unsigned=True)  # fmt: skip
+                               package__unsigned=True, **links)  # fmt: skip
     assert packed[0].strategy == "local-sgd" and packed[0].message_bytes == source.message_bytes == MLP_BYTES
     assert packed[0].link == source.link == LINK
     # the package was made for 8x8 digits, not the synthetic data's 28x28

@@ -111,9 +111,9 @@ def packaged(job_: Any = None) -> tuple[Any, Any]:
     """A packed job's model and its author's optimizer, for your own loop under `fast run --config JOB.fastjob`:
     `model(x, y)` returns the batch's loss (in eval mode, the loss and the package's metrics). Pass both to
     `job.prepare`."""
-    from fast.jobs.loop import packed_job
+    from fast.jobs.code import packed_job
 
-    return packed_job((job_ or job()).config)
+    return packed_job((job_ or job()).parts)
 
 
 def train(

@@ -15,7 +15,7 @@ from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, check_renamed, load_dict, without_renamed
 from fast.errors import ConfigError
 from fast.optim import check_optimizer, check_schedule
-from fast.ownership import check_owner_keys, without_machine_keys
+from fast.ownership import owners_config
 from fast.strategies import strategy_for, strategy_options, validate_strategy_options
 
 
@@ -176,55 +176,20 @@ def load_config(source: str | Path | dict[str, Any] | Config | None = None, **ov
     else:
         data = load_dict(source)
     dotted = {k.replace("__", "."): v for k, v in overrides.items()}
-    packed = isinstance(data.get("package"), dict) and data["package"].get("path")
-    if packed and isinstance(source, Config):  # merged and checked when it was built: check only the overrides
-        if dotted:
-            with_package(apply_overrides({"package": data["package"]}, dotted))
-        return _within_budget(build_config(apply_overrides(data, dotted)))
-    data = apply_overrides(data, dotted)
-    if packed:
-        data = with_package(data)
-    elif isinstance(data.get("package"), dict) and set(data["package"]) - {"path"}:
-        raise ConfigError("--trust and --unsigned (package.*) apply to a packed job: give JOB.fastjob, or drop them")
-    return _within_budget(build_config(data))
-
-
-def _within_budget(config: Config) -> Config:
-    """The config, once no node of its package's programs allocates more than the owner's budget from constant
-    sizes (PackageError naming the node; sizes computed at run time are checked as it runs)."""
-    if config.package is not None:
-        for graph in read_package(config.package.path, config.package.trusted_key).graphs.values():
-            graph.check_budget(config.package.node_bytes)
+    given = data.get("package")
+    if not (isinstance(given, dict) and given.get("path")):
+        data = apply_overrides(data, dotted)
+        if isinstance(data.get("package"), dict) and set(data["package"]) - {"path"}:
+            raise ConfigError("--trust and --unsigned (package.*) apply to a packed job: give JOB.fastjob, or drop "
+                              "them")  # fmt: skip
+        return build_config(data)
+    # a packed job: read and checked once, its config the author's with the owner's keys on top (fast.ownership)
+    owner = apply_overrides({"package": given} if isinstance(source, Config) else data, dotted)
+    package = read_package(owner["package"]["path"], owner["package"].get("trusted_key"))
+    check_trust(package, owner["package"].get("trusted_key"), owner["package"].get("unsigned"))
+    merged = owners_config(without_renamed(package.config), package.schema, owner)
+    # (a Config was merged and checked when it was built: only the overrides are new)
+    config = build_config(apply_overrides(data, dotted) if isinstance(source, Config) else merged)
+    for graph in package.graphs.values():  # no node allocates more than the owner's budget from constant sizes
+        graph.check_budget(config.package.node_bytes)
     return config
-
-
-def with_package(data: dict[str, Any]) -> dict[str, Any]:
-    """The packed job's config with the data owner's keys on top; PackageError unless the owner trusts it (its
-    signature verified with `package.trusted_key`, or `package.unsigned`), ConfigError for a key that is not the
-    owner's to change (fast.ownership)."""
-    package = read_package(data["package"]["path"], data["package"].get("trusted_key"))
-    check_trust(package, data["package"].get("trusted_key"), data["package"].get("unsigned"))
-    base, schema = without_machine_keys(without_renamed(package.config)), package.schema
-    packed = flat(base)
-    changed = {key: value for key, value in flat(data).items() if value != packed.get(key)}
-    check_owner_keys(changed, schema["open"], schema["fixed"])
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for key, value in data.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            named = packed.get(f"{key}.name")
-            # another strategy or codec than the package's takes none of the package's options for it
-            replaced = key in ("strategy", "codec") and value.get("name", named) != named
-            value = value if replaced else {**merged[key], **value}
-        merged[key] = value
-    return merged
-
-
-def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as dotted keys."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

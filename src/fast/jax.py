@@ -304,7 +304,7 @@ def prepare(job: Any, params: Any, transformation: optax.GradientTransformation)
     run_device({platform_of(leaf) for leaf in jax.tree_util.tree_leaves(params)} or {"cpu"}, run.device, explicit)
     tree = ParameterTree(params)  # on the parameters' device: job.prepare follows it there (Job._place)
     optimizer = OptaxOptimizer(tree, transformation)
-    schedule = job.config.schedule
+    schedule = job.parts.optimizer.schedule
     if schedule is not None and schedule.name != "constant" and not optimizer.sets_learning_rate:
         raise ConfigError(f"schedule.name = {schedule.name!r} with an Optax optimizer whose learning rate FAST cannot "
                           "set: make it with optax.inject_hyperparams(optax.adam)(learning_rate=...), or give Optax "

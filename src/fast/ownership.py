@@ -16,6 +16,7 @@ Keys are dotted (`strategy.topology`); a pattern may end in `.*` for a whole tab
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 from fast.errors import ConfigError, PackageError
 
@@ -61,6 +62,35 @@ def check_owner_keys(changed: dict[str, object], opened: list[str], fixed: list[
             who = "fixed by the package's author" if _matches(key, fixed) else "the package author's training recipe"
             raise ConfigError(f"`{key}` is {who} (open keys: {', '.join(opened) or 'none'}; fixed keys: "
                               f"{', '.join(fixed) or 'none'}); drop it from the config")  # fmt: skip
+
+
+def owners_config(package_config: dict[str, Any], schema: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """A packed job's config (`package_config`, of its `schema`) with the owner's keys (`owner`) on top: ConfigError
+    for a key that is not the owner's to change; the package's values for the owner's machine keys dropped."""
+    base = without_machine_keys(package_config)
+    packed = flat(base)
+    changed = {key: value for key, value in flat(owner).items() if value != packed.get(key)}
+    check_owner_keys(changed, schema["open"], schema["fixed"])
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in owner.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            named = packed.get(f"{key}.name")
+            # another strategy or codec than the package's takes none of the package's options for it
+            replaced = key in ("strategy", "codec") and value.get("name", named) != named
+            value = value if replaced else {**merged[key], **value}
+        merged[key] = value
+    return merged
+
+
+def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def without_machine_keys(config: dict[str, object]) -> dict[str, object]:

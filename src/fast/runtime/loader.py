@@ -114,8 +114,8 @@ class ShardedLoader:
         self.job, self.dataset, self.batch_size, self.shuffle = job, dataset, batch_size, shuffle
         self.collate_fn = collate_fn
         self.device = job.device if device_placement else None
-        config = job.config
-        self.num_workers = config.data.loader_workers if num_workers is None else num_workers
+        config, data = job.config, job.parts.data
+        self.num_workers = data.loader_workers if num_workers is None else num_workers
         self.streaming = isinstance(dataset, IterableDataset)
         self.steps_per_epoch: int | None = None
         if self.streaming and getattr(job, "live", False):
@@ -133,8 +133,8 @@ class ShardedLoader:
             workers, seed = job.workers, config.run.seed
             if len(dataset) < workers:
                 raise ConfigError(f"the dataset has {len(dataset)} samples for {workers} workers: use fewer workers")
-            if config.data.partition == "dirichlet":
-                cut = partition(labels_of(dataset, labels), workers, "dirichlet", alpha=config.data.alpha, seed=seed)
+            if data.partition == "dirichlet":
+                cut = partition(labels_of(dataset, labels), workers, "dirichlet", alpha=data.alpha, seed=seed)
             else:
                 cut = partition(torch.zeros(len(dataset)), workers, "iid", seed=seed)
             self.shard = cut[min(job.rank, workers - 1)] if job.is_worker else cut[0][:0]

@@ -38,6 +38,7 @@ from fast.comm import bootstrap as engine
 from fast.comm.comm import Comm
 from fast.config import Config
 from fast.errors import ConfigError, FastError
+from fast.ownership import flat
 from fast.runtime import files
 from fast.runtime.run_store import Refused as StoreRefused
 from fast.runtime.run_store import RunStore, RunStoreServer
@@ -152,8 +153,6 @@ def _closed(store: Any) -> bool:
 
 def config_difference(run: Config, joiner: Config) -> str | None:
     """The first key in which a joiner's config differs from the run's (keys of PER_PROCESS_KEYS aside)."""
-    from fast.assemble import flat
-
     mine, theirs = flat(run.to_dict()), flat(joiner.to_dict())
     for key in sorted(set(mine) | set(theirs)):
         if key in PER_PROCESS_KEYS or mine.get(key) == theirs.get(key):

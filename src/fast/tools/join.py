@@ -11,14 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fast.assemble import load_config
 from fast.comm import bootstrap as engine
 from fast.errors import ConfigError
-from fast.jobs.loop import UserCode, train_worker
+from fast.jobs.loop import train_worker
+from fast.parts import resolve
 from fast.runtime.launch import launch
 from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
-from fast.strategies import strategy_class
 
 
 def live_run(command: str, folder: Path) -> tuple[str, Path]:
@@ -49,14 +48,14 @@ def join(
         out = out or folder
     if address is None or token_file is None or config is None:
         raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config")
-    job = load_config(config, **overrides)
+    parts = resolve(config, **overrides)
+    job = parts.config
     if not job.run.live:
         raise ConfigError("fast join: the config is not a live run's (run.membership = 'fixed'): nothing can join it")
     access = Access.parse(address, read_secret("fast join", Path(token_file)))
     member = request_admission(access, job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
     environment = {**access.environment(Path(token_file).resolve()), "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
-    user = UserCode(strategy_class=strategy_class(job.strategy.name))
 
     def ended(rank: int, exit_code: int | None) -> None:
         if exit_code:  # tell the run at once, rather than at the end of this worker's heartbeats
@@ -64,6 +63,6 @@ def join(
 
     addr = access.host
     threads = job.run.threads_per_worker or 1
-    launch(train_worker, 1, (job, out, user, False), addr=addr, port=engine.free_port(), threads=threads,
+    launch(train_worker, 1, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
            extra_env=environment, on_exit=ended)  # fmt: skip
     return member

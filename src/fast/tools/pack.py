@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from fast.archive import FORMAT, MANIFEST, SIGNATURE, encode_tensors, read_package, sha256
-from fast.assemble import load_config
 from fast.config import Config
 from fast.errors import PackageError
 from fast.factories import load_factory
-from fast.jobs.loop import UserCode, datasets, model_for, step_for
+from fast.jobs.code import load_data, make_model, step_of
 from fast.ownership import NOT_PACKED, check_patterns
+from fast.parts import UserCode, resolve
 from fast.program import read_graph
 from fast.version import __version__
 
@@ -142,11 +142,11 @@ def pack(source: str | Path | dict[str, Any] | Config | None, out: str | Path, *
     (optimizer, schedule, length, batch) the data owner may set; `fixed_keys`: keys of the deployment (strategy,
     codec, workers, ...) the owner may not set (fast.ownership says whose each key is)."""
     check_patterns(tuple(open_keys), tuple(fixed_keys))
-    config = load_config(source, **overrides)
-    out = Path(out)
-    train, _ = datasets(config)
-    model = model_for(config, train, UserCode(model_fn=model_fn))
-    step = step_for(config, UserCode())
+    parts = resolve(source, UserCode(model_fn=model_fn), **overrides)
+    config, out = parts.config, Path(out)
+    train, _ = load_data(parts.data)
+    model = make_model(parts.model, train)
+    step = step_of(parts.step)
     metric_fn = load_factory(metric, "--metric") if isinstance(metric, str) else metric
     example = _example(config, train)
     exported = Exported(model, step, metric_fn)

@@ -118,7 +118,7 @@ def _dataset(config: Config) -> Dataset:
 
 def measure_compute_s(config: Config, dataset: Dataset, model: nn.Module | None = None, step_fn: Any = None) -> float:
     """Median seconds of one step's computation (forward, backward, optimizer) for one worker of the run."""
-    from fast.jobs.loop import cross_entropy_step
+    from fast.jobs.code import cross_entropy_step
     from fast.jobs.models import build_model
     from fast.optim import build_optimizer
 
@@ -202,7 +202,7 @@ def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Lin
     weights its servers send), over the slowest link; with
     `[faults] churn`, a joiner every (lifetime + absence) / (workers - 1) seconds once the run is in its stride
     (each member but worker 0 stays a lifetime, then its place is empty for an absence)."""
-    from fast.jobs.loop import cross_entropy_step
+    from fast.jobs.code import cross_entropy_step
     from fast.optim import build_optimizer
     from fast.strategies import strategy_for
 
@@ -244,14 +244,16 @@ def config_for_prediction(data: dict[str, Any]) -> Config:
 def predict_package(source: str | Path, **overrides: Any) -> list[Prediction]:
     """The prediction for a packed job (with the data owner's keys on top, as `fast train` takes them): its own
     model and loss, timed on the data set the config names."""
-    from fast.jobs.loop import packaged, packed_model
+    from fast.jobs.code import package_of, packed_model
     from fast.jobs.package import check_data, packed_step
+    from fast.parts import resolve
 
-    config = load_config(source, **overrides)
+    parts = resolve(source, **overrides)
+    config, packed = parts.config, parts.packed
     dataset = _dataset(config)
-    package = packaged(config)
+    package = package_of(packed)
     check_data(package.schema, TensorDataset(dataset.x_train[:1], dataset.y_train[:1]), "training")
-    model = _CountedPackage(packed_model(config), dataset.y_train[:1])
+    model = _CountedPackage(packed_model(packed), dataset.y_train[:1])
     prediction = predict(config, dataset=dataset, model=model, step_fn=lambda m, x, y: packed_step(m.packed, x, y))
     return [replace(prediction, model=f"packed ({Path(source).name})")]
 

@@ -14,74 +14,71 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fast.assemble import load_config, world_size
+from fast.assemble import load_config
 from fast.comm import bootstrap as engine
 from fast.config import Config
 from fast.errors import ConfigError
 from fast.factories import add_search_path
-from fast.jobs.loop import UserCode, datasets, train_worker
+from fast.jobs.code import check_data
+from fast.jobs.loop import train_worker
+from fast.parts import Deployment, JobParts, UserCode, deployment_of, resolve
 from fast.runtime.churn import ChurnDriver
 from fast.runtime.job import default_run_dir, prepare_run_dir
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
 from fast.runtime.membership import Coordinator
 from fast.runtime.run_folder import check_folder, claim, claimed, release
-from fast.strategies import strategy_class, strategy_for
+from fast.strategies import strategy_for, strategy_options
 
 
-def server_count(config: Config) -> int:
-    return world_size(config) - config.run.workers
-
-
-def prepare(
-    config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None, **overrides: Any
-) -> tuple[Config, Path]:
-    """The validated config and its run folder (with config.toml written, and held by this process until
-    `run_folder.release`); nothing is started."""
+def prepare(config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None,
+            user: UserCode | None = None, **overrides: Any) -> tuple[JobParts, Path]:  # fmt: skip
+    """The job resolved once (fast.parts) and its run folder (with config.toml written, and held by this process
+    until `run_folder.release`); nothing is started."""
     if isinstance(config, str | Path) and Path(config).is_file():
         add_search_path(str(Path(config).resolve().parent))
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.toml there; give the folder of an earlier run")
-        config = load_config(config if config is not None else run_dir / "config.toml", **overrides)
+        parts = resolve(config if config is not None else run_dir / "config.toml", user, **overrides)
     else:
-        config = load_config(config, **overrides)
-        run_dir = Path(out) if out is not None else default_run_dir(config)
+        parts = resolve(config, user, **overrides)
+        run_dir = Path(out) if out is not None else default_run_dir(parts.config)
     check_folder(run_dir)
-    if config.data.factory is None:
-        datasets(config)  # a data set that is not installed fails here, before anything starts
+    check_data(parts.data)  # data that is not there fails here, before anything starts
     if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
         claim(run_dir)  # before anything in it is cleared: another live run may hold it
     try:
-        prepare_run_dir(config, run_dir, resume is not None, fast_loop=True)
+        prepare_run_dir(parts.config, run_dir, resume is not None, fast_loop=True)
     except BaseException:
         release(run_dir)
         raise
-    return config, run_dir
+    return parts, run_dir
 
 
-def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[str, str] | None = None,
-           resume: str = "fast train --resume {run_dir}") -> dict:  # fmt: skip
-    """Run `fn(*args)` in every process of the run; returns {rank: value}. `resume`: the command that continues
-    the run, shown when it is interrupted after a checkpoint."""
-    nprocs = config.run.workers + server_count(config)
-    if config.run.engine == "simulated":
-        return _simulate(fn, config, nprocs, args, extra_env)
-    addr = engine.resolved(config.run.master_addr)
-    port = config.run.master_port or engine.free_port(addr)
-    threads = config.run.threads_per_worker or max(1, (os.cpu_count() or 1) // nprocs)
+def _start(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args: tuple,
+           extra_env: dict[str, str] | None = None, resume: str = "fast train --resume {run_dir}") -> dict:  # fmt: skip
+    """Run `fn(*args)` in every process of the run, as its deployment says; returns {rank: value}. `resume`: the
+    command that continues the run, shown when it is interrupted after a checkpoint. Under torchrun this process is
+    already one of the run's, which torchrun started."""
+    if engine.under_torchrun():
+        if deployment.engine == "simulated":
+            raise ConfigError('run.engine = "simulated" runs every worker in one process: start it without torchrun')
+        return {int(os.environ["RANK"]): fn(*args)}
+    if deployment.engine == "simulated":
+        return _simulate(fn, config, deployment, args, extra_env)
+    addr = engine.resolved(deployment.addr)
+    port = deployment.port or engine.free_port(addr)
+    threads = deployment.threads_for(deployment.processes)
     try:
-        if config.run.max_restarts:
+        if deployment.restarts:
             with variables_set(extra_env or {}):
-                return launch_elastic(
-                    fn, nprocs, args, addr=addr, port=port, threads=threads, max_restarts=config.run.max_restarts
-                )
-        if config.run.live:
-            return _launch_live(fn, config, run_dir, args, addr, threads, extra_env)
-        survivable = strategy_for(config).survives_failures
-        return launch(
-            fn, nprocs, args, addr=addr, port=port, threads=threads, survivable=survivable, extra_env=extra_env
-        )
+                return launch_elastic(fn, deployment.processes, args, addr=addr, port=port, threads=threads,
+                                      max_restarts=deployment.restarts)  # fmt: skip
+        if deployment.live:
+            return _launch_live(fn, config, deployment, run_dir, args, addr, threads, extra_env)
+        return launch(fn, deployment.processes, args, addr=addr, port=port, threads=threads,
+                      survivable=deployment.survivable, extra_env=extra_env)  # fmt: skip
     except Interrupted as e:
         if any(run_dir.glob("checkpoints/*.pt")):
             hinted = Interrupted(f"{e}; continue with: {resume.format(run_dir=run_dir)}")
@@ -90,15 +87,15 @@ def _start(fn: Any, config: Config, run_dir: Path, args: tuple, extra_env: dict[
         raise
 
 
-def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str, threads: int,
-                 extra_env: dict[str, str] | None) -> dict:  # fmt: skip
+def _launch_live(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args: tuple, addr: str,
+                 threads: int, extra_env: dict[str, str] | None) -> dict:  # fmt: skip
     """A live run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
-    any founder but worker 0 may die, and others join with `fast join`."""
-    processes = config.run.workers + server_count(config)  # (a detached strategy's servers: fast.runtime.detached)
-    coordinator = Coordinator(run_dir, config, addr, config.run.workers, first_joiner=processes)
-    churn = ChurnDriver(run_dir, config, coordinator) if config.faults and config.faults.churn else None
+    any founder but worker 0 may die, and others join with `fast join`. (A detached strategy's servers take the
+    ids after the workers': fast.runtime.detached.)"""
+    coordinator = Coordinator(run_dir, config, addr, deployment.workers, first_joiner=deployment.processes)
+    churn = ChurnDriver(run_dir, config, coordinator) if deployment.churn else None
     try:
-        return launch(fn, processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
+        return launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
                       survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
                       on_exit=coordinator.exited)  # fmt: skip
     finally:
@@ -107,11 +104,11 @@ def _launch_live(fn: Any, config: Config, run_dir: Path, args: tuple, addr: str,
         coordinator.close()
 
 
-def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict[str, str] | None) -> dict:
+def _simulate(fn: Any, config: Config, deployment: Deployment, args: tuple, extra_env: dict[str, str] | None) -> dict:
     """The run's processes as tasks of one simulation in this process (run.engine = "simulated")."""
     from fast.runtime.simulate import simulate
 
-    if config.run.max_restarts:
+    if deployment.restarts:
         raise ConfigError('run.max_restarts restarts real processes: leave it at 0 with run.engine = "simulated"')
     if config.run.device != "cpu":
         raise ConfigError('the simulated engine runs on the CPU: set run.device = "cpu" with run.engine = "simulated"')
@@ -121,8 +118,7 @@ def _simulate(fn: Any, config: Config, nprocs: int, args: tuple, extra_env: dict
     argv, main = list(sys.argv), sys.modules.get("__main__")
     try:
         with variables_set(extra_env or {}):
-            survivable = strategy_for(config).survives_failures or config.run.live
-            return simulate(fn, config, nprocs, args, survivable=survivable)
+            return simulate(fn, config, deployment.processes, args, survivable=deployment.survivable)
     finally:
         sys.argv[:] = argv
         if main is not None:
@@ -139,18 +135,15 @@ def train(
     **overrides: Any,
 ) -> dict[str, Any]:
     """Run one training job to the end; returns the summary (on rank 0; {} on other torchrun ranks)."""
-    config, run_dir = prepare(config, out=out, resume=resume, **overrides)
-    user = UserCode(model_fn=model_fn, step_fn=step_fn, strategy_class=strategy_class(config.strategy.name))
-    if engine.under_torchrun():
-        if config.run.engine == "simulated":
-            raise ConfigError('run.engine = "simulated" runs every worker in one process: start it without torchrun')
-        return train_worker(config, run_dir, user, resume is not None) or {}
+    user = UserCode(model_fn=model_fn, step_fn=step_fn)
+    parts, run_dir = prepare(config, out=out, resume=resume, user=user, **overrides)
     try:
-        outputs = _start(train_worker, config, run_dir, (config, run_dir, user, resume is not None))
+        outputs = _start(train_worker, parts.config, parts.deployment, run_dir, (parts, run_dir, resume is not None))
     finally:
         release(run_dir)
-    summary = outputs[0]
-    summary["run_dir"] = str(run_dir)
+    summary = outputs.get(0) or {}  # (another torchrun rank's is empty)
+    if summary:
+        summary["run_dir"] = str(run_dir)
     return summary
 
 
@@ -207,6 +200,7 @@ def run_script(
     workers = workers or base.run.workers
     dotted["run.workers"] = workers
     launcher_config = load_config(base, run__workers=workers)
+    deployment = deployment_of(launcher_config, strategy_for(launcher_config), strategy_options(launcher_config))
     run_dir = Path(resume or out or default_run_dir(launcher_config))
     env = {
         "FAST_OVERRIDES": json.dumps(dotted),
@@ -218,8 +212,8 @@ def run_script(
     env["FAST_CODE_PATH"] = os.environ["FAST_CODE_PATH"]
     resume_command = " ".join(["fast run --resume {run_dir}", script, *(argv or [])])
     with claimed(run_dir):
-        _start(run_script_process, launcher_config, run_dir, (str(Path(script).resolve()), list(argv or [])), env,
-               resume_command)  # fmt: skip
+        _start(run_script_process, launcher_config, deployment, run_dir,
+               (str(Path(script).resolve()), list(argv or [])), env, resume_command)  # fmt: skip
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
         return None
