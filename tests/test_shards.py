@@ -1,7 +1,7 @@
 """Sharded replicas (fast.shards) over real processes, gloo on the CPU: W = 2 replicas of K = 2 shards under FAST's own
-`sync` equal DDP over 4 processes, under `diloco` equal W = 2 unsharded workers; the gathered state loads into the
-user's class; DCP checkpoints resume bit for bit at the same K and at K = 1 from K = 2; a model the user sharded
-is taken as it is.
+`sync` equal DDP over 4 processes, under `diloco` equal W = 2 unsharded workers and torchft's DiLoCo over the same
+FSDP2 model (where torchft is installed); the gathered state loads into the user's class; DCP checkpoints resume bit
+for bit at the same K and at K = 1 from K = 2; a model the user sharded is taken as it is.
 
 The differences are float32 summation order (FSDP2's reduce-scatter inside the replica, then the replicas' all-reduce,
 add in another order than DDP's one all-reduce). Measured here on the test model as the largest over tensors of
@@ -9,6 +9,7 @@ max|a - b| / max|b|; the bounds below have margin over what was measured (in the
 """
 
 import importlib.util
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,52 @@ def test_diloco_on_local_shards_equals_diloco_on_whole_replicas():
         assert difference < DILOCO_BOUND, f"rank {rank}: {difference:.2e}"
 
 
+def _torchft_diloco(comm: Comm, lighthouse: str, ports: list[int]) -> dict:
+    """torchft's DiLoCo over the FSDP2 model fast.shards makes (a Manager per process, replica r's own store), and
+    FAST's `diloco` on the local shards, on the same data."""
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    fast = _diloco(comm, 3, 4)["sharded"]
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    replica = ShardedReplica(comm, K, model, inner)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    timeout = timedelta(seconds=20)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=W, use_async_quorum=False,
+                      load_state_dict=lambda state: None, state_dict=lambda: {}, replica_id=str(replica.replica),
+                      store_addr="localhost", store_port=ports[replica.replica], rank=replica.shard_index,
+                      world_size=K, lighthouse_addr=lighthouse, port=0, connect_timeout=timeout,
+                      quorum_timeout=timeout, timeout=timeout)  # fmt: skip
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=4, backup_device=torch.device("cpu"), pin_memory=False):
+            for t in range(12):
+                x, y = _slice(t, comm.rank, W * K)
+                inner.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                inner.step()
+        return {"fast": fast, "torchft": replica.whole_state_dict(everywhere=True), "rounds": manager.current_step()}
+    finally:
+        manager.shutdown(wait=False)
+
+
+def test_diloco_on_local_shards_equals_torchfts_diloco_over_the_same_fsdp2_model():
+    pytest.importorskip("torchft")
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=W)
+    stores = [dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) for _ in range(W)]
+    try:
+        out = run_distributed(_torchft_diloco, W * K, lighthouse.address(), [s.port for s in stores])
+    finally:
+        lighthouse.shutdown()
+    for rank, each in out.items():
+        assert each["rounds"] == 3
+        difference = _relative(each["torchft"], each["fast"])
+        assert difference < DILOCO_BOUND, f"rank {rank}: {difference:.2e}"  # measured: 0 (bit for bit)
+
+
 # -- the whole model ---------------------------------------------------------------------------------------------------
 def _whole(comm: Comm) -> dict:
     model = build_model("lenet", (1, 8, 8), 10)
@@ -176,18 +223,21 @@ def _whole(comm: Comm) -> dict:
     with torch.no_grad():
         sharded_out = model(x)  # collective inside the replica: both shards evaluate
     state = replica.whole_state_dict()
+    agreed = bool(replica.any(torch.tensor(comm.rank == 1)))  # a flag set on one shard of replica 0 only
     if replica.shard_index != 0:
-        return {"state": state}
+        return {"state": state, "agreed": agreed}
     user = build_model("lenet", (1, 8, 8), 10)
     user.load_state_dict(state)  # strict: the user's class and names
     whole = replica.whole_model(state)
     with torch.no_grad():
-        return {"state": state, "user": user(x), "whole": whole(x), "sharded": sharded_out, "cls": type(whole)}
+        return {"state": state, "user": user(x), "whole": whole(x), "sharded": sharded_out, "cls": type(whole),
+                "agreed": agreed}  # fmt: skip
 
 
 def test_the_gathered_state_loads_into_the_users_class_and_computes_what_the_sharded_model_does():
     out = run_distributed(_whole, W * K)
     for rank, each in out.items():
+        assert each["agreed"] == (rank // K == 0)  # every shard of a replica agrees on a device flag
         if rank % K:
             assert each["state"] == {}  # only shard 0 of each replica holds it
             continue
