@@ -193,7 +193,9 @@ class SimComm(EmulatedComm):
         wait ends when the collective has."""
         self._collectives += 1
         wire, key = self.wire, (self.group_id, self._collectives)
-        meeting = wire.meetings.setdefault(key, Meeting(list(self.ranks), {}, waiting=[]))
+        meeting = wire.meetings.get(key)
+        if meeting is None:
+            meeting = wire.meetings[key] = Meeting(list(self.ranks), {}, waiting=[])
         meeting.brought[self.rank] = brought
         if len(meeting.brought) == len(meeting.members):
             meeting.result = combine(meeting.brought)
@@ -210,10 +212,15 @@ class SimComm(EmulatedComm):
         if op not in ("sum", "mean", "max", "min"):
             raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
         n, i = self.size, self.index()
-        chunks = [c.numel() * tensor.element_size() for c in tensor.reshape(-1).tensor_split(n)]
-        sent = sum(chunks[(i - s) % n] + chunks[(i + 1 - s) % n] for s in range(n - 1))
-        received = sum(chunks[(i - s - 1) % n] + chunks[(i - s) % n] for s in range(n - 1))
-        self._count(sent, received)
+        numel, size = tensor.numel(), tensor.element_size()
+
+        def chunk(k: int) -> int:  # the bytes of chunk k of the ring (as tensor_split cuts the tensor in n)
+            return (numel // n + (k % n < numel % n)) * size
+
+        # the reduce-scatter sends every chunk but (i + 1)'s and the all-gather every one but (i + 2)'s; each member
+        # receives every chunk but its own, then every one but (i + 1)'s (a sum over the 2(N - 1) rounds, in O(1))
+        total = numel * size
+        self._count(2 * total - chunk(i + 1) - chunk(i + 2), 2 * total - chunk(i) - chunk(i + 1))
 
         def combine(brought: dict[int, torch.Tensor]) -> torch.Tensor:
             parts = [brought[r] for r in self.ranks]
@@ -223,7 +230,7 @@ class SimComm(EmulatedComm):
             return total.div_(n) if op == "mean" else total
 
         def rounds_s() -> float:
-            return 2 * (n - 1) * self.wire.hop_s(self.ranks, max(chunks))
+            return 2 * (n - 1) * self.wire.hop_s(self.ranks, chunk(0))
 
         handle = self._meet("all_reduce", tensor.detach().clone(), combine, rounds_s, tensor,
                             lambda: tensor.copy_(handle._work.meeting.result))  # fmt: skip
@@ -233,10 +240,30 @@ class SimComm(EmulatedComm):
         n = self.size
         nbytes = tensor.numel() * tensor.element_size()
         self._count((n - 1) * nbytes, (n - 1) * nbytes)
-        handle = self._meet("all_gather", tensor.detach().clone(), lambda brought: [brought[r] for r in self.ranks],
+        handle = self._meet("all_gather", tensor.detach().clone(), lambda brought: _stacked(brought, self.ranks),
                             lambda: (n - 1) * self.wire.hop_s(self.ranks, nbytes), None)  # fmt: skip
         handle.wait()
-        return [t.clone() for t in handle._work.meeting.result]
+        result = handle._work.meeting.result
+        # one copy of the stack each, in rows (a copy of each row each would be N² copies)
+        return list(result.clone().unbind(0)) if isinstance(result, torch.Tensor) else [t.clone() for t in result]
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's payload, timed and counted as `Comm.all_gather_bytes`'s two all-gathers are (the lengths,
+        then the payloads padded to the longest). Every member gets the same tensors, to read: a copy each would
+        cost N² copies (a million at 1,024 workers, at the end of every run)."""
+        n = self.size
+        if n == 1:
+            return [payload.clone()]
+        self._count((n - 1) * 8, (n - 1) * 8)
+        lengths = self._meet("all_gather", payload.numel(), lambda brought: [brought[r] for r in self.ranks],
+                             lambda: (n - 1) * self.wire.hop_s(self.ranks, 8), None)  # fmt: skip
+        lengths.wait()
+        longest = max(lengths._work.meeting.result)
+        self._count((n - 1) * longest, (n - 1) * longest)
+        handle = self._meet("all_gather", payload.detach().clone(), lambda brought: [brought[r] for r in self.ranks],
+                            lambda: (n - 1) * self.wire.hop_s(self.ranks, longest), None)  # fmt: skip
+        handle.wait()
+        return list(handle._work.meeting.result)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         n, nbytes = self.size, tensor.numel() * tensor.element_size()
@@ -265,6 +292,15 @@ class SimComm(EmulatedComm):
             self.counter.add_received(left, received)
 
 
+def _stacked(brought: dict[int, torch.Tensor], ranks: list[int]) -> torch.Tensor | list[torch.Tensor]:
+    """The members' tensors in group order, stacked where they agree in shape and type (as an all-gather's must)."""
+    parts = [brought[r] for r in ranks]
+    first = parts[0]
+    if all(p.shape == first.shape and p.dtype == first.dtype for p in parts):
+        return torch.stack(parts)
+    return parts
+
+
 def _powers_below(limit: int) -> list[int]:
     """1, 2, 4, ... below `limit`: the masks of a binomial tree under a member whose lowest set bit is `limit`."""
     return [1 << k for k in range(max(0, limit.bit_length() - 1))]
@@ -283,7 +319,7 @@ class _Attend:
         sim, wire, meeting = self.comm.sim, self.comm.wire, self.meeting
         deadline = sim.now + timeout.total_seconds()
         while meeting.done_at is None:
-            gone = [r for r in meeting.members if r in wire.gone and r not in meeting.brought]
+            gone = [r for r in wire.gone if r in meeting.member_set and r not in meeting.brought]
             if gone:
                 raise RuntimeError(f"Connection closed by peer: worker {gone[0]} is gone ({wire.gone[gone[0]]})")
             if sim.now >= deadline:

@@ -79,6 +79,7 @@ class SimulatedMachine(EmulatedMachine):
         """Crash, stall, or slow down by (factor - 1) x the mean compute of a step, as an emulated machine does;
         draw this step's own compute. The mean is fixed by the config, or the median of the first steps timed on
         the host (shared by every worker of the simulation)."""
+        self.wire.step_begins(self.plan.rank)
         self._compute_s = _charged_s(self.fixed_s, self.wire.host_step_s)
         self._steps_timed += 1
         self._factor = spread_factor(self.spread, self.plan.seed, self.plan.rank, step)

@@ -14,7 +14,7 @@ import resource
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +44,10 @@ class Meeting:
     result: Any = None
     done_at: float | None = None
     waiting: list[Any] | None = None
+    member_set: set[int] = field(init=False)  # (who is gone among them: a look at the few gone, not at every member)
+
+    def __post_init__(self) -> None:
+        self.member_set = set(self.members)
 
 
 class Wire:
@@ -57,11 +61,15 @@ class Wire:
         self.groups: dict[tuple[Any, ...], int] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
         self.busy_until: dict[int, float] = defaultdict(float)  # a group's collectives run one after another
+        self._links_of: dict[tuple[int, ...], list[EmulatedLink]] = {}  # a group's distinct links (tree_round_s)
         self.networks = [Network(links, rank, seed) for rank in range(world_size)]
         for network in self.networks:
             network.start_clock(0.0)  # virtual time; the machines move it to the start of training
         self._order = itertools.count()
         self.host_started = time.perf_counter()
+        self.workers = world_size  # the workers the run starts with (servers apart): set by the launcher
+        self._began: set[int] = set()  # the founding workers that have begun a step
+        self.setup_host_s: float | None = None  # until every founding worker had begun its first step
         self.training_host_s: float | None = None  # until worker 0 was done training
         self.host_step_s: list[float] = []  # run.step_time = "auto": the first steps, timed on the host
         self.host_request_s: list[float] = []  # run.server_time = "auto": the servers' first requests, likewise
@@ -73,6 +81,13 @@ class Wire:
             network.start_clock(0.0)
             self.networks.append(network)
         self.world_size = len(self.networks)
+
+    def step_begins(self, rank: int) -> None:
+        """Worker `rank` begins a step: the set-up is over once every founding worker has."""
+        if self.setup_host_s is None and rank < self.workers:
+            self._began.add(rank)
+            if len(self._began) == self.workers:
+                self.setup_host_s = round(time.perf_counter() - self.host_started, 3)
 
     def group(self, key: tuple[Any, ...]) -> int:
         """The number of the group every member names by `key` (members create their groups in the same order)."""
@@ -120,7 +135,23 @@ class Wire:
 
     def tree_round_s(self, ranks: list[int], nbytes: float) -> float:
         """One round of a tree over `ranks`: the slowest link of the group."""
-        return max(self._message_s(a, b, nbytes) for a in ranks for b in ranks if a != b) if len(ranks) > 1 else 0
+        if len(ranks) < 2:
+            return 0.0
+        return max(link.latency_s + link.transfer_s(int(nbytes)) for link in self._group_links(ranks))
+
+    def _group_links(self, ranks: list[int]) -> list[EmulatedLink]:
+        """The distinct links among `ranks` (each ordered pair's): the table's own entries between two members, and
+        its default where some pair has none. Linear in the members and the entries, where every pair would be
+        quadratic (a million pairs at 1,024 workers, for each broadcast)."""
+        key = tuple(ranks)
+        found = self._links_of.get(key)
+        if found is None:
+            members = set(ranks)
+            own = [link for (a, b), link in self.links.links.items() if a != b and a in members and b in members]
+            pairs = len(members) * (len(members) - 1)
+            found = list({*own, *([self.links.default] if len(own) < pairs else [])})
+            self._links_of[key] = found
+        return found
 
     def _message_s(self, src: int, dst: int, nbytes: float) -> float:
         link = self.links.link(src, dst)
@@ -155,13 +186,15 @@ def training_ends() -> None:
 
 
 def host_figures() -> dict[str, Any]:
-    """What the simulation cost the host so far: its seconds (all, and until worker 0 was done training), the
-    process's peak memory, and the compute time a step was charged (as `run.step_time` would fix it)."""
+    """What the simulation cost the host so far: its seconds (all, until every worker had begun its first step, and
+    until worker 0 was done training), the process's peak memory, and the compute time a step was charged (as
+    `run.step_time` would fix it)."""
     the_wire = wire()
     timed = the_wire.host_step_s
     return {
         "engine": "simulated",
         "host_s": round(time.perf_counter() - the_wire.host_started, 3),
+        "setup_host_s": the_wire.setup_host_s,
         "training_host_s": the_wire.training_host_s,
         "peak_memory_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "step_time_s": statistics.median(timed) if timed else None,

@@ -31,6 +31,7 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
     sim = Simulation()
     links = link_table(config, nprocs) if config.network is not None else ideal_links(nprocs)
     wire = start(sim, nprocs, links, config.run.seed)
+    wire.workers = config.run.workers
 
     def failed(task: Task) -> None:  # a process that fails closes its connections: its peers learn it at once
         if task.rank not in wire.gone and not _ended_well(task.error):
