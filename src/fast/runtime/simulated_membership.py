@@ -11,6 +11,7 @@ healed from a live peer, all drawn from `run.seed` as a real run's churn is, fro
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -92,26 +93,35 @@ class SimulatedMembership:
         self.start_worker(member)
 
     def churn(self) -> None:
-        """The churn task (see the module): until member 0 says the run is ending."""
+        """The churn task (see the module): until member 0 says the run is ending. The draws are a real run's, in
+        the same order (fast.runtime.churn.ChurnDriver); the stays wait in a heap, so that a look costs the changes
+        since the last one, not the members (a thousand of them at every look)."""
         draws = ChurnDraws(self.config)
-        leaves: dict[int, float] = {}  # member -> when it leaves
+        drawn: set[int] = set()  # the members whose stay is drawn
+        leaves: list[tuple[float, int]] = []  # (when it leaves, member), a heap
         returns: list[float] = []  # when a new worker comes in
+        seen = -1  # the generation whose members were last looked at
         while not any(self.settled.values()):  # times count from the start of training
             timing.sleep(CHURN_POLL_S)
         while not (self.ending or self.closed):
             now = self.sim.now
-            for member in self.newest.members:
-                if member and member not in leaves:
-                    leaves[member] = now + draws.lifetime()
-            for member, at in sorted(leaves.items()):
-                if at <= now and member in self.newest.members:
+            if self.newest.number != seen:
+                seen = self.newest.number
+                for member in self.newest.members:
+                    if member and member not in drawn:
+                        drawn.add(member)
+                        heapq.heappush(leaves, (now + draws.lifetime(), member))
+            due = []
+            while leaves and leaves[0][0] <= now:
+                due.append(heapq.heappop(leaves)[1])
+            for member in sorted(due):  # (in the order of their ids, as a real run's driver takes them)
+                if member in self.newest.members:
                     self.evict(member, draws.how)
-                    leaves[member] = float("inf")
                     returns.append(now + draws.absence())
             for at in [at for at in returns if at <= now]:
                 returns.remove(at)
                 self.bring_one_in()
-            upcoming = [at for at in [*leaves.values(), *returns] if at > now]
+            upcoming = [at for at in returns if at > now] + ([leaves[0][0]] if leaves else [])
             timing.sleep(min([CHURN_POLL_S, *(at - now for at in upcoming)]))
 
 
