@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -9,6 +11,8 @@ from fast.errors import ConfigError
 
 PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet")
 DIRICHLET_MAX_DRAWS = 100
+KEPT_CUTS = 4
+_CUTS: dict[tuple, list[torch.Tensor]] = {}  # the last cuts made, by their arguments (see partition)
 
 
 def partition(
@@ -20,7 +24,25 @@ def partition(
     `dirichlet`: label skew; each class is split across workers in proportions drawn from Dir(alpha),
     the usual non-IID federated recipe (small alpha: few classes per worker; large alpha: near uniform).
     Every worker receives at least one sample.
+
+    The last few cuts are kept (the shards are shared: read them, do not write them), so that the workers of one
+    process (a simulated run's thousand) cut the data once, not once each.
     """
+    key = (scheme, len(labels), workers, alpha, seed, _digest(labels) if scheme == "dirichlet" else None)
+    cut = _CUTS.pop(key, None)
+    if cut is None:
+        cut = _partition(labels, workers, scheme, alpha=alpha, seed=seed)
+    _CUTS[key] = cut  # (the newest last)
+    while len(_CUTS) > KEPT_CUTS:
+        del _CUTS[next(iter(_CUTS))]
+    return list(cut)
+
+
+def _digest(labels: torch.Tensor) -> str:
+    return hashlib.blake2b(labels.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _partition(labels: torch.Tensor, workers: int, scheme: str, *, alpha: float, seed: int) -> list[torch.Tensor]:
     count = len(labels)
     if not 1 <= workers <= count:
         raise ConfigError(f"workers must be between 1 and the number of samples ({count}), got {workers}")
