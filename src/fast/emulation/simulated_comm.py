@@ -17,6 +17,7 @@ Measurement traffic (`unmetered()`) takes no time, as under emulation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -101,7 +102,17 @@ class SimComm(EmulatedComm):
         self.sim = wire.sim
         self._made = 0  # groups this process made from this one (every member makes them in the same order)
         self._collectives = 0  # collectives this process called on this group (the same order on every member)
+        self._name: str | None = None  # (_group_name)
         super().__init__(network=wire.networks[kwargs["rank"]], world_size=wire.world_size, **kwargs)
+
+    def _group_name(self) -> str:
+        """The group, as errors and waits name it (made once: a thousand ranks written out at every collective would
+        cost each member a thousand)."""
+        if self._name is None:
+            ranks = self.ranks
+            listed = f"{ranks}" if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)})"
+            self._name = f"the group {listed}"
+        return self._name
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> SimComm:
         comm = SimComm(wire=self.wire, group_id=group, deadline_s=self.deadline_s, device=device,
@@ -204,7 +215,7 @@ class SimComm(EmulatedComm):
             wire.busy_until[self.group_id] = meeting.done_at
             for task in meeting.waiting or []:
                 self.sim.wake(task, meeting.done_at)
-        handle = Handle(_Attend(self, key, meeting), op, f"the group {self.ranks}", self.deadline_s, result, on_done)
+        handle = Handle(_Attend(self, key, meeting), op, self._group_name(), self.deadline_s, result, on_done)
         handle.ticket = timeline.ticket(self.key, issue=True)
         return handle
 
@@ -246,6 +257,18 @@ class SimComm(EmulatedComm):
         result = handle._work.meeting.result
         # one copy of the stack each, in rows (a copy of each row each would be N² copies)
         return list(result.clone().unbind(0)) if isinstance(result, torch.Tensor) else [t.clone() for t in result]
+
+    def all_gather_once(self, tensor: torch.Tensor, make: Callable[[torch.Tensor], Any]) -> Any:
+        """`make(every member's tensor, stacked in group order)`, made once by the last member to arrive and returned
+        to every member (to read: one object for all), timed and counted as `all_gather` is. What the members work
+        out alike from an all-gather (the workers' checks) costs the run N rows, not N² (fast.runtime.control)."""
+        n = self.size
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count((n - 1) * nbytes, (n - 1) * nbytes)
+        handle = self._meet("all_gather", tensor.detach().clone(), lambda brought: make(_stacked(brought, self.ranks)),
+                            lambda: (n - 1) * self.wire.hop_s(self.ranks, nbytes), None)  # fmt: skip
+        handle.wait()
+        return handle._work.meeting.result
 
     def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
         """Every member's payload, timed and counted as `Comm.all_gather_bytes`'s two all-gathers are (the lengths,
@@ -328,7 +351,7 @@ class _Attend:
             assert meeting.waiting is not None
             meeting.waiting.append(task)
             try:
-                sim.park(deadline - sim.now, f"the others in a collective of {self.comm.ranks}")
+                sim.park(deadline - sim.now, f"the others in a collective of {self.comm._group_name()}")
             finally:
                 meeting.waiting.remove(task)
         sleep_until(meeting.done_at)

@@ -10,7 +10,8 @@ for different purposes, or at different steps where they must agree, get one cle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,16 +26,27 @@ KINDS = {STOP: "the periodic check on the end of training", EVALUATE: "job.evalu
 
 @dataclass(frozen=True)
 class Answer:
-    """What every live worker said in a round."""
+    """What every live worker said in a round (in a simulation, one Answer that every member reads: its figures are
+    worked out once, not once by each of a thousand members)."""
 
     steps: list[int]
     flags: list[list[int]]
+    _figures: dict[tuple[str, int], Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def _figure(self, name: str, flag: int, of: Any) -> Any:
+        key = (name, flag)
+        if key not in self._figures:
+            self._figures[key] = of(f[flag] for f in self.flags)
+        return self._figures[key]
 
     def any(self, flag: int) -> bool:
-        return any(f[flag] for f in self.flags)
+        return self._figure("any", flag, any)
 
     def all(self, flag: int) -> bool:
-        return all(f[flag] for f in self.flags)
+        return self._figure("all", flag, all)
+
+    def total(self, flag: int) -> int:
+        return self._figure("total", flag, sum)
 
 
 class Control:
@@ -45,18 +57,29 @@ class Control:
         """This worker's (kind, step, flags); returns every live worker's. `dead` are ranks known gone (point to
         point only); `lost(rank, how)` records one that does not answer."""
         row = torch.tensor([kind, step, *flags], dtype=torch.int64)
+        shared = getattr(self.comm, "all_gather_once", None)  # a simulated group's: one answer read by every member
         with self.comm.unmetered():
-            gathered = self._through_rank_0(row, dead, lost) if self.point_to_point else self.comm.all_gather(row)
-        rows = torch.stack(gathered).tolist()  # (host tensors: one read, which waits on no device)
-        kinds, steps = {r[0] for r in rows}, {r[1] for r in rows}
+            if self.point_to_point or shared is None:
+                gathered = self._through_rank_0(row, dead, lost) if self.point_to_point else self.comm.all_gather(row)
+                answer = self._answer(torch.stack(gathered))
+            else:
+                answer = shared(row, self._answer)
+        if isinstance(answer, str):
+            raise FastError(answer)
+        return answer
+
+    def _answer(self, rows: torch.Tensor) -> Answer | str:
+        """The answer of a round from every worker's row, or why the workers are out of step."""
+        listed = rows.tolist()  # (host tensors: one read, which waits on no device)
+        kinds, steps = {r[0] for r in listed}, {r[1] for r in listed}
         if len(kinds) > 1 or len(steps) > 1:
             where = ", ".join(f"worker {self.comm.ranks[i]}: {KINDS[r[0]]} after step {r[1]}"
-                              for i, r in enumerate(rows))  # fmt: skip
-            raise FastError(
+                              for i, r in enumerate(listed))  # fmt: skip
+            return (
                 f"the workers are out of step ({where}): under {self.strategy_name} every worker must run the same "
                 "steps and call job.evaluate at the same step (job.loader gives every worker as many batches)"
             )
-        return Answer([r[1] for r in rows], [r[2:] for r in rows])
+        return Answer([r[1] for r in listed], [r[2:] for r in listed])
 
     def _through_rank_0(self, row: torch.Tensor, dead: set[int], lost: object) -> list[torch.Tensor]:
         comm, first = self.comm, self.comm.ranks[0]

@@ -178,7 +178,7 @@ class Live:
                 self._regroup(failed=True)
                 continue
             # (a member gone since the last boundary takes what it trained since with it: a round it did not end)
-            self.samples_trained += sum(flags[2] for flags in answer.flags)
+            self.samples_trained += answer.total(2)
             self._samples_reported = self.driver.samples
             if answer.any(1) or self._samples_spent():
                 self._stopping = True
@@ -269,9 +269,13 @@ class Live:
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         with world.unmetered():
             rows = world.all_gather(torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
-        first = rows[0]
-        behind = [i for i, row in enumerate(rows) if i and (int(row[2]) or not torch.equal(row[1::2], first[1::2]))]
-        sources = [i for i in range(len(rows)) if i not in behind]
+        # behind: fresh, or at another step or with other shared state than member 0 (a look at the rows at once: a
+        # member each, a thousand times over, would cost a simulated run a million looks)
+        table = torch.stack(rows)
+        late = (table[:, 2] != 0) | (table[:, 1::2] != table[0, 1::2]).any(dim=1)
+        late[0] = False
+        behind = late.nonzero().flatten().tolist()
+        sources = (~late).nonzero().flatten().tolist()
         source_of = {member: sources[j % len(sources)] for j, member in enumerate(behind)}
         sent = 0
         # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
@@ -300,20 +304,21 @@ class Live:
                                   "source_fingerprint": state["fingerprint"]})  # fmt: skip
         if behind:  # every catch-up is done: what each source sent
             with world.unmetered():
-                sent = int(sum(world.all_gather(torch.tensor([sent], dtype=torch.int64))))
+                sent = int(torch.stack(world.all_gather(torch.tensor([sent], dtype=torch.int64))).sum())
         if me == 0 and self.is_main:
             generation = self.generation
             founders = {"generation": -1, "members": self.member.generation(0).members}
             before = self.membership[-1] if self.membership else founders
             # what changed since the last generation that formed (those in between were superseded)
             skipped = [self.member.generation(n) for n in range(before["generation"] + 1, generation.number + 1)]
-            gone = [m for m in before["members"] if m not in generation.members]
+            now, then = set(generation.members), set(before["members"])
+            gone = [m for m in before["members"] if m not in now]
             self.membership.append({
                 "generation": generation.number,
                 "step": self.step,
                 "unix_time": timing.wall(),
                 "members": generation.members,
-                "joined": [m for m in generation.members if m not in before["members"]],
+                "joined": [m for m in generation.members if m not in then],
                 "left": [entry for g in skipped for entry in g.left if entry["member"] in gone],
                 "healed": [int(rows[i][0]) for i in behind],
                 "healed_from": [int(rows[source_of[i]][0]) for i in behind],
