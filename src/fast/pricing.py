@@ -24,6 +24,7 @@ from fast.assemble import world_size
 from fast.codecs import Codec, build_codec
 from fast.config import Config
 from fast.emulation.deployment import link_table, slowdown_of
+from fast.emulation.links import EmulatedLink
 from fast.errors import ConfigError
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.allreduce import check_nbytes, check_workers
@@ -111,14 +112,17 @@ def links_between_workers(config: Config) -> tuple[Link, Link | None]:
         return (SHARED_MEMORY if sums_in_shared_memory(config) else LOOPBACK), None
     table = link_table(config, config.run.workers)
     workers = range(config.run.workers)
-    pairs = [(a, b) for a in workers for b in workers if a != b] or [(0, 0)]
 
     def slowest(chosen: list[tuple[int, int]]) -> Link:
         links = [table.link(a, b) for a, b in chosen]
         return Link(max(x.latency_s for x in links), min(x.bandwidth_Bps for x in links))
 
-    if not config.network.sites:
-        return slowest(pairs), None
+    def slowest_of(links: list[EmulatedLink]) -> Link:
+        return Link(max(x.latency_s for x in links), min(x.bandwidth_Bps for x in links))
+
+    if not config.network.sites:  # (the table's distinct links: every pair of a thousand workers is a million)
+        return slowest_of(table.among(workers) or [table.default]), None
+    pairs = [(a, b) for a in workers for b in workers if a != b] or [(0, 0)]
     site_of = {rank: site for site, ranks in config.network.sites.items() for rank in ranks}
     inside = [(a, b) for a, b in pairs if not (a in site_of and b in site_of and site_of[a] != site_of[b])]
     return slowest(pairs), (slowest(inside) if inside else None)

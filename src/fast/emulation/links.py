@@ -8,6 +8,7 @@ it from the `[network]` and `[faults]` tables.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -70,6 +71,15 @@ class LinkTable:
 
     def link(self, src: int, dst: int) -> EmulatedLink:
         return self.links.get((src, dst), self.default)
+
+    def among(self, ranks: Iterable[int]) -> list[EmulatedLink]:
+        """The distinct links between any two of `ranks` (each ordered pair's): the table's own entries between two of
+        them, and `default` where some pair has none. Linear in the ranks and the entries, where every pair would be
+        quadratic (a million pairs at 1,024 workers)."""
+        members = set(ranks)
+        own = [link for (a, b), link in self.links.items() if a != b and a in members and b in members]
+        pairs = len(members) * (len(members) - 1)
+        return list(dict.fromkeys([*own, *([self.default] if len(own) < pairs else [])]))
 
     def up_again_at(self, src: int, dst: int, t: float) -> float:
         """`t` if the link is up at time `t`, else the first time from which it is up again."""

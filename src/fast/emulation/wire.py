@@ -140,17 +140,11 @@ class Wire:
         return max(link.latency_s + link.transfer_s(int(nbytes)) for link in self._group_links(ranks))
 
     def _group_links(self, ranks: list[int]) -> list[EmulatedLink]:
-        """The distinct links among `ranks` (each ordered pair's): the table's own entries between two members, and
-        its default where some pair has none. Linear in the members and the entries, where every pair would be
-        quadratic (a million pairs at 1,024 workers, for each broadcast)."""
+        """The distinct links among `ranks` (LinkTable.among), kept by group."""
         key = tuple(ranks)
         found = self._links_of.get(key)
         if found is None:
-            members = set(ranks)
-            own = [link for (a, b), link in self.links.links.items() if a != b and a in members and b in members]
-            pairs = len(members) * (len(members) - 1)
-            found = list({*own, *([self.links.default] if len(own) < pairs else [])})
-            self._links_of[key] = found
+            found = self._links_of[key] = self.links.among(ranks)
         return found
 
     def _message_s(self, src: int, dst: int, nbytes: float) -> float:
