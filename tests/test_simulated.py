@@ -244,3 +244,20 @@ def test_a_simulated_comparison_writes_its_report_with_the_engine_and_each_varia
     report = comparison.report.read_text()
     assert "simulated: every worker in one process, all times virtual" in report
     assert "host time sync " in report and ", ring " in report
+
+
+def test_the_simulated_engine_takes_thousands_of_workers_and_processes_are_refused_past_256_in_one_line():
+    from fast.assemble import load_config
+
+    assert load_config({"run": {"workers": 1024, "max_workers": 4096, "engine": "simulated"}}).run.workers == 1024
+    with pytest.raises(ConfigError, match=r'^`run.workers` = 300: a run of processes .* run.engine = "simulated"'):
+        load_config({"run": {"workers": 300}})
+    with pytest.raises(ConfigError, match=r"run\.workers"):
+        load_config({"run": {"workers": 4097, "engine": "simulated"}})
+
+
+def test_a_simulated_run_evaluates_the_own_replicas_of_eval_replicas_workers_evenly_spaced(tmp_path):
+    job = {**JOB, "strategy__name": "gossip", "run__workers": 6, "run__max_steps": 4, "eval__replicas": 3}
+    summary = fast.train(None, out=str(tmp_path), **job)
+    evaluated = [rank for rank, accuracy in enumerate(summary["worker_test_accuracy"]) if accuracy is not None]
+    assert evaluated == [0, 2, 4] and summary["simulation"]["setup_host_s"] > 0

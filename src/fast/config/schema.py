@@ -26,6 +26,12 @@ def _simulated_seconds(value: str | float) -> float | None:
     return words[value] if value in words else parse_duration(value)
 
 
+# the most workers a run takes: a run of processes starts one OS process (and its own torch, some 300 MB) per worker;
+# the simulated engine holds every worker in one process, a thread, a replica and its optimizer each: 1,024 live LeNet
+# workers took about 5 GB (docs/simulated.md), so 4,096 fit in 24 GB
+PROCESS_WORKERS, SIMULATED_WORKERS = 256, 4096
+
+
 class Section(BaseModel):
     """A config table: unknown keys are errors, values are checked, not coerced from strings."""
 
@@ -35,7 +41,13 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = "fast"
     seed: int = Field(0, ge=0, le=2**32 - 1)
-    workers: int = Field(4, ge=1, le=256)
+    workers: int = Field(
+        4,
+        ge=1,
+        le=SIMULATED_WORKERS,
+        description='training processes, at most 256, or with run.engine = "simulated" simulated workers, at most '
+        "4,096 (the servers of `async-ps`, asynchronous `easgd` and `ea-wild` come on top)",
+    )
     epochs: float = Field(3, gt=0)
     batch_size: int = Field(64, ge=1)
     eval_every: float = Field(0.5, ge=0, description="epochs between test evaluations; 0 = only at the end")
@@ -77,9 +89,11 @@ class RunConfig(Section):
         description='"live": workers leave and join the running job (`fast join`), healed from a peer; "fixed": the '
         "workers it starts with, to the end",
     )
-    min_workers: int = Field(1, ge=1, le=256, description="live membership: the run fails when fewer workers remain")
+    min_workers: int = Field(
+        1, ge=1, le=SIMULATED_WORKERS, description="live membership: the run fails when fewer workers remain"
+    )
     max_workers: int = Field(
-        0, ge=0, le=256, description="live membership: joiners beyond this many workers wait; 0 = 256"
+        0, ge=0, le=SIMULATED_WORKERS, description="live membership: joiners beyond this many workers wait; 0 = 256"
     )
     deadline_s: float = Field(
         60.0, gt=0, le=1e6, description="deadline of every blocking communication call (gloo counts it in 32 bits)"
@@ -146,6 +160,19 @@ class RunConfig(Section):
             if seconds < 0:
                 raise ValueError(f'must be a duration such as "20ms", or {alternatives}')
         return value
+
+    @model_validator(mode="after")
+    def _workers_of_the_engine(self) -> RunConfig:
+        """A run of processes takes at most PROCESS_WORKERS workers; the simulated engine SIMULATED_WORKERS."""
+        if self.engine == "processes":
+            for key in ("workers", "min_workers", "max_workers"):
+                if getattr(self, key) > PROCESS_WORKERS:
+                    raise ConfigError(
+                        f"`run.{key}` = {getattr(self, key)}: a run of processes takes at most {PROCESS_WORKERS} "
+                        f'workers (a process each): set run.engine = "simulated" for up to {SIMULATED_WORKERS} in '
+                        "one process, or fewer workers"
+                    )
+        return self
 
     @property
     def live(self) -> bool:
@@ -242,6 +269,13 @@ class EvalConfig(FactorySection):
         ge=0,
         description="test samples of each evaluation during the run, the first ones (0: all); the final "
         "evaluation takes them all",
+    )
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="where replicas differ, the workers whose own replica the end evaluates (worker_test_accuracy), "
+        "evenly spaced by rank, the others null; default: every worker in a run of processes (each evaluates its own, "
+        "at once), at most 32 in a simulated one (its host evaluates them one after another)",
     )
 
 
