@@ -49,6 +49,13 @@ class Answer:
         return self._figure("total", flag, sum)
 
 
+def gathered(comm: Comm, row: torch.Tensor) -> torch.Tensor:
+    """Every member's `row`, stacked in group order (an all-gather); in a simulation one table that every member
+    reads (SimComm.all_gather_once), not a copy each: do not write it."""
+    shared = getattr(comm, "all_gather_once", None)
+    return shared(row, lambda table: table) if shared is not None else torch.stack(comm.all_gather(row))
+
+
 class Control:
     def __init__(self, comm: Comm, rank: int, point_to_point: bool, strategy_name: str) -> None:
         self.comm, self.rank, self.point_to_point, self.strategy_name = comm, rank, point_to_point, strategy_name

@@ -268,11 +268,10 @@ class Live:
         world, started, me = self.world, timing.now(), self.world.index()
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         with world.unmetered():
-            rows = world.all_gather(torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
+            rows = control.gathered(world, torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
         # behind: fresh, or at another step or with other shared state than member 0 (a look at the rows at once: a
         # member each, a thousand times over, would cost a simulated run a million looks)
-        table = torch.stack(rows)
-        late = (table[:, 2] != 0) | (table[:, 1::2] != table[0, 1::2]).any(dim=1)
+        late = (rows[:, 2] != 0) | (rows[:, 1::2] != rows[0, 1::2]).any(dim=1)
         late[0] = False
         behind = late.nonzero().flatten().tolist()
         sources = (~late).nonzero().flatten().tolist()
@@ -304,7 +303,7 @@ class Live:
                                   "source_fingerprint": state["fingerprint"]})  # fmt: skip
         if behind:  # every catch-up is done: what each source sent
             with world.unmetered():
-                sent = int(torch.stack(world.all_gather(torch.tensor([sent], dtype=torch.int64))).sum())
+                sent = int(control.gathered(world, torch.tensor([sent], dtype=torch.int64)).sum())
         if me == 0 and self.is_main:
             generation = self.generation
             founders = {"generation": -1, "members": self.member.generation(0).members}

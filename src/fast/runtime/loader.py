@@ -18,6 +18,7 @@ batches, so that members may come and go without a sample lost or seen twice (fa
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -81,6 +82,19 @@ def epoch_order(size: int, seed: int, epoch: int, rank: int) -> torch.Tensor:
     return torch.randperm(size, generator=generator)
 
 
+@functools.lru_cache(maxsize=2)
+def _whole(size: int) -> torch.Tensor:
+    """0 .. size - 1: a live run's shard, the whole data set (one tensor for every member of a process: read it)."""
+    return torch.arange(size)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_order(size: int, seed: int, epoch: int) -> torch.Tensor:
+    """A live run's order through an epoch, the same for every member (made once for every member of a process, a
+    simulated run's thousand: read it)."""
+    return _whole(size)[epoch_order(size, seed, epoch, 0)]
+
+
 class _Batches(torch.utils.data.Sampler):
     """A fixed list of index batches, as a DataLoader batch sampler."""
 
@@ -123,7 +137,7 @@ class ShardedLoader:
                               "through it): an IterableDataset cannot be taken up where a leaving worker "
                               "stood")  # fmt: skip
         if getattr(job, "live", False):
-            self.shard = torch.arange(len(dataset))
+            self.shard = _whole(len(dataset))
             planned = config.run.workers * batch_size  # the run's length is planned for the workers it starts with
             if len(dataset) < planned:
                 raise ConfigError(f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size} for "
@@ -190,9 +204,7 @@ class ShardedLoader:
         """One pass of a live run: this member's batch of each step, from the cursor the members share."""
         job, b = self.job, self.batch_size
         self.epoch = job.data_epoch
-        order = self.shard
-        if self.shuffle:
-            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, 0)]
+        order = _shared_order(len(self.shard), job.config.run.seed, self.epoch) if self.shuffle else self.shard
         self.taken = 0
         while not job.stopped:
             job._membership_boundary()  # the members switch (and heal) before the batch is chosen
@@ -210,9 +222,7 @@ class ShardedLoader:
         from the run's work queue, through the epoch's order, until the queue moves to the next epoch."""
         job, b = self.job, self.batch_size
         self.epoch, per_epoch = job.data_epoch, len(self.shard) // b
-        order = self.shard
-        if self.shuffle:
-            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, 0)]
+        order = _shared_order(len(self.shard), job.config.run.seed, self.epoch) if self.shuffle else self.shard
         self.taken = 0
         while (taken := job._take_batch(per_epoch)) is not None:
             epoch, index = taken
