@@ -215,7 +215,15 @@ class ServerStrategy(Strategy):
         return list(range(self.ctx.workers))
 
     def sender_index(self, sender: int) -> int:
-        return self.senders().index(sender)
+        return self._sender_indices()[sender]
+
+    def _sender_indices(self) -> dict[int, int]:
+        """Each sender's index in `senders()`, made again when a sender joins (a look-up, where `index` scans a list
+        of a thousand senders at every request of a simulated run)."""
+        senders = self.senders()  # (senders only join: the same count, the same senders)
+        if len(self.__dict__.get("_indices_of", ())) != len(senders):
+            self._indices_of = {sender: i for i, sender in enumerate(senders)}
+        return self._indices_of
 
     def lines(self) -> list[Line]:
         raise NotImplementedError
@@ -258,7 +266,8 @@ class ServerStrategy(Strategy):
     def save_snapshots(self, done: set[int]) -> None:
         """Write every snapshot that no live sender still holds back (one done or dead sends no more markers)."""
         with self.failure_lock:
-            gone = {self.sender_index(s) for s in set(self.dead) | done if s in self.senders()}
+            indices = self._sender_indices()
+            gone = {indices[s] for s in set(self.dead) | done if s in indices}
         self.snapshots.save_complete(gone, self._save)
 
     def _save(self, step: int, state: Any) -> None:
