@@ -83,7 +83,7 @@ class _Receive:
                 raise RuntimeError("Timed out waiting for a message")
             nxt = wire.next_at(*self._key(), self.src, self.tag)
             until = deadline if nxt is None else min(nxt, deadline)
-            waiters = wire.waiters[self._key()]
+            waiters = wire.waiters[(*self._key(), self.src)]
             task = current_task()
             waiters.append(task)
             try:

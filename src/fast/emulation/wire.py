@@ -51,12 +51,15 @@ class Meeting:
 
 
 class Wire:
-    """The run's mailboxes, (group, receiver) -> messages not yet taken, and the tasks waiting on them."""
+    """The run's mailboxes, (group, receiver) -> sender -> messages not yet taken, and the tasks waiting on them,
+    by (group, receiver, sender), None for anyone: a message wakes only those that may take it, and a receive looks
+    at its sender's messages only (a server's thousand readers, each on its own sender, once looked at every message
+    and woke at every one)."""
 
     def __init__(self, sim: Simulation, world_size: int, links: LinkTable, seed: int) -> None:
         self.sim, self.world_size, self.links, self.seed = sim, world_size, links, seed
-        self.boxes: dict[tuple[int, int], list[Message]] = defaultdict(list)
-        self.waiters: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        self.boxes: dict[tuple[int, int], dict[int, list[Message]]] = defaultdict(dict)
+        self.waiters: dict[tuple[int, int, int | None], list[Any]] = defaultdict(list)
         self.gone: dict[int, str] = {}
         self.groups: dict[tuple[Any, ...], int] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
@@ -95,24 +98,33 @@ class Wire:
 
     def post(self, group: int, dst: int, message: Message) -> None:
         message.order = next(self._order)
-        self.boxes[(group, dst)].append(message)
-        for task in self.waiters[(group, dst)]:
-            self.sim.wake(task, message.deliver_at)
+        self.boxes[(group, dst)].setdefault(message.src, []).append(message)
+        for waiting_on in (message.src, None):
+            for task in self.waiters.get((group, dst, waiting_on), ()):
+                self.sim.wake(task, message.deliver_at)
 
     def _heads(self, group: int, dst: int, src: int | None, tag: int) -> list[Message]:
-        """The first message of each sender on `tag` (a link keeps its messages in order)."""
-        heads: dict[int, Message] = {}
-        for message in self.boxes[(group, dst)]:
-            if message.tag == tag and (src is None or message.src == src) and message.src not in heads:
-                heads[message.src] = message
-        return list(heads.values())
+        """The first message of each sender (or of `src`) on `tag` (a link keeps its messages in order)."""
+        box = self.boxes.get((group, dst))
+        if not box:
+            return []
+        queues = box.values() if src is None else [box[src]] if src in box else []
+        heads = []
+        for queue in queues:
+            head = next((m for m in queue if m.tag == tag), None)
+            if head is not None:
+                heads.append(head)
+        return heads
 
     def take(self, group: int, dst: int, src: int | None, tag: int) -> Message | None:
         ready = [m for m in self._heads(group, dst, src, tag) if m.deliver_at <= self.sim.now]
         if not ready:
             return None
         message = min(ready, key=lambda m: (m.deliver_at, m.order))
-        self.boxes[(group, dst)].remove(message)
+        box = self.boxes[(group, dst)]
+        box[message.src].remove(message)
+        if not box[message.src]:
+            del box[message.src]
         return message
 
     def next_at(self, group: int, dst: int, src: int | None, tag: int) -> float | None:
