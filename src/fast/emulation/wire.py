@@ -1,6 +1,6 @@
 """The simulated engine's wire: every simulated process's mailboxes and the meetings of its collectives.
 
-A simulation (`fast.comm.scheduler.Simulation`) of a run holds one `Wire`: the mailboxes (group, receiver) ->
+A simulation (`fast.comm.scheduler.Simulation`) of a run holds one `Wire`: the mailboxes (group, receiver, tag) ->
 messages not yet taken, each deliverable at the time the emulated link model gives it (`Network`), the meetings
 of the groups' collectives, which processes are gone, and what the links cost. `fast.emulation.simulated_comm`
 is the `Comm` every simulated process moves its tensors through over it.
@@ -8,6 +8,8 @@ is the `Comm` every simulated process moves its tensors through over it.
 
 from __future__ import annotations
 
+import collections
+import heapq
 import itertools
 import math
 import resource
@@ -50,15 +52,52 @@ class Meeting:
         self.member_set = set(self.members)
 
 
+class _Box:
+    """A receiver's messages on one tag: each sender's in the order they were sent (a link keeps its messages in
+    order), and a heap of each sender's first one by (arrival, order), so that a receive from anyone finds the
+    earliest in a look, where a look at every sender's would cost a server of a thousand senders a thousand."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, collections.deque[Message]] = {}
+        self.heads: list[tuple[float, int, int]] = []  # (deliver_at, order, src); an entry whose message is gone is
+        # dropped when it comes to the top
+
+    def put(self, message: Message) -> None:
+        queue = self.queues.setdefault(message.src, collections.deque())
+        queue.append(message)
+        if len(queue) == 1:
+            heapq.heappush(self.heads, (message.deliver_at, message.order, message.src))
+
+    def first(self, src: int | None) -> Message | None:
+        """`src`'s first message, or (None) the earliest of every sender's first."""
+        if src is not None:
+            queue = self.queues.get(src)
+            return queue[0] if queue else None
+        while self.heads:
+            _, order, sender = self.heads[0]
+            queue = self.queues.get(sender)
+            if queue and queue[0].order == order:
+                return queue[0]
+            heapq.heappop(self.heads)
+        return None
+
+    def take(self, message: Message) -> None:
+        """Take `message`, its sender's first."""
+        queue = self.queues[message.src]
+        queue.popleft()
+        if queue:
+            heapq.heappush(self.heads, (queue[0].deliver_at, queue[0].order, message.src))
+        else:
+            del self.queues[message.src]
+
+
 class Wire:
-    """The run's mailboxes, (group, receiver) -> sender -> messages not yet taken, and the tasks waiting on them,
-    by (group, receiver, sender), None for anyone: a message wakes only those that may take it, and a receive looks
-    at its sender's messages only (a server's thousand readers, each on its own sender, once looked at every message
-    and woke at every one)."""
+    """The run's mailboxes, (group, receiver, tag) -> messages not yet taken (`_Box`), and the tasks waiting on
+    them, by (group, receiver, sender), None for anyone: a message wakes only those that may take it."""
 
     def __init__(self, sim: Simulation, world_size: int, links: LinkTable, seed: int) -> None:
         self.sim, self.world_size, self.links, self.seed = sim, world_size, links, seed
-        self.boxes: dict[tuple[int, int], dict[int, list[Message]]] = defaultdict(dict)
+        self.boxes: dict[tuple[int, int, int], _Box] = defaultdict(_Box)  # (group, receiver, tag) -> its messages
         self.waiters: dict[tuple[int, int, int | None], list[Any]] = defaultdict(list)
         self.gone: dict[int, str] = {}
         self.groups: dict[tuple[Any, ...], int] = {}
@@ -98,37 +137,24 @@ class Wire:
 
     def post(self, group: int, dst: int, message: Message) -> None:
         message.order = next(self._order)
-        self.boxes[(group, dst)].setdefault(message.src, []).append(message)
+        self.boxes[(group, dst, message.tag)].put(message)
         for waiting_on in (message.src, None):
             for task in self.waiters.get((group, dst, waiting_on), ()):
                 self.sim.wake(task, message.deliver_at)
 
-    def _heads(self, group: int, dst: int, src: int | None, tag: int) -> list[Message]:
-        """The first message of each sender (or of `src`) on `tag` (a link keeps its messages in order)."""
-        box = self.boxes.get((group, dst))
-        if not box:
-            return []
-        queues = box.values() if src is None else [box[src]] if src in box else []
-        heads = []
-        for queue in queues:
-            head = next((m for m in queue if m.tag == tag), None)
-            if head is not None:
-                heads.append(head)
-        return heads
-
     def take(self, group: int, dst: int, src: int | None, tag: int) -> Message | None:
-        ready = [m for m in self._heads(group, dst, src, tag) if m.deliver_at <= self.sim.now]
-        if not ready:
+        """The message on `tag` from `src` (or anyone) that is in, the earliest first; None if none is."""
+        box = self.boxes.get((group, dst, tag))
+        message = box.first(src) if box is not None else None
+        if message is None or message.deliver_at > self.sim.now:
             return None
-        message = min(ready, key=lambda m: (m.deliver_at, m.order))
-        box = self.boxes[(group, dst)]
-        box[message.src].remove(message)
-        if not box[message.src]:
-            del box[message.src]
+        box.take(message)  # type: ignore[union-attr]
         return message
 
     def next_at(self, group: int, dst: int, src: int | None, tag: int) -> float | None:
-        return min((m.deliver_at for m in self._heads(group, dst, src, tag)), default=None)
+        box = self.boxes.get((group, dst, tag))
+        message = box.first(src) if box is not None else None
+        return message.deliver_at if message is not None else None
 
     def leave(self, rank: int, why: str) -> None:
         """`rank` is gone: whoever waits on a message from it, or in a collective with it, learns so now."""
