@@ -130,8 +130,9 @@ class ServerLoop:
             except CommError as e:
                 self._lost(sender, str(e))
         self.server.save_snapshots(self.done)
-        with self.changed:
-            self.changed.notify_all()
+        if request.kind == DONE:  # what the serving thread waits for (a request answered changes none of it: waking
+            with self.changed:  # it at each would cost it a look at every sender, a thousand of them, each time)
+                self.changed.notify_all()
 
     def _lost(self, sender: int, how: str) -> None:
         self.server.lost(sender, self.server.last_step(sender), how)
