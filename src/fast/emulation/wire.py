@@ -108,11 +108,13 @@ class Wire:
         for network in self.networks:
             network.start_clock(0.0)  # virtual time; the machines move it to the start of training
         self._order = itertools.count()
-        self.host_started = time.perf_counter()
+        self.host_started, self.cpu_started = time.perf_counter(), time.process_time()
         self.workers = world_size  # the workers the run starts with (servers apart): set by the launcher
         self._began: set[int] = set()  # the founding workers that have begun a step
         self.setup_host_s: float | None = None  # until every founding worker had begun its first step
         self.training_host_s: float | None = None  # until worker 0 was done training
+        self.setup_cpu_s: float | None = None  # the process's CPU seconds, likewise (a loaded host's wall time is not
+        self.training_cpu_s: float | None = None  # the run's own)
         self.host_step_s: list[float] = []  # run.step_time = "auto": the first steps, timed on the host
         self.host_request_s: list[float] = []  # run.server_time = "auto": the servers' first requests, likewise
 
@@ -130,6 +132,7 @@ class Wire:
             self._began.add(rank)
             if len(self._began) == self.workers:
                 self.setup_host_s = round(time.perf_counter() - self.host_started, 3)
+                self.setup_cpu_s = round(time.process_time() - self.cpu_started, 3)
 
     def group(self, key: tuple[Any, ...]) -> int:
         """The number of the group every member names by `key` (members create their groups in the same order)."""
@@ -215,12 +218,13 @@ def training_ends() -> None:
     the_wire = wire()
     if the_wire.training_host_s is None:
         the_wire.training_host_s = round(time.perf_counter() - the_wire.host_started, 3)
+        the_wire.training_cpu_s = round(time.process_time() - the_wire.cpu_started, 3)
 
 
 def host_figures() -> dict[str, Any]:
     """What the simulation cost the host so far: its seconds (all, until every worker had begun its first step, and
-    until worker 0 was done training), the process's peak memory, and the compute time a step was charged (as
-    `run.step_time` would fix it)."""
+    until worker 0 was done training), the process's CPU seconds likewise (all its threads', torch's included), its
+    peak memory, and the compute time a step was charged (as `run.step_time` would fix it)."""
     the_wire = wire()
     timed = the_wire.host_step_s
     return {
@@ -228,6 +232,9 @@ def host_figures() -> dict[str, Any]:
         "host_s": round(time.perf_counter() - the_wire.host_started, 3),
         "setup_host_s": the_wire.setup_host_s,
         "training_host_s": the_wire.training_host_s,
+        "cpu_s": round(time.process_time() - the_wire.cpu_started, 3),
+        "setup_cpu_s": the_wire.setup_cpu_s,
+        "training_cpu_s": the_wire.training_cpu_s,
         "peak_memory_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "step_time_s": statistics.median(timed) if timed else None,
     }
