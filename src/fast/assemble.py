@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from fast.archive import PACKAGE_SUFFIX, check_trust, read_package
 from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, check_renamed, load_dict, without_renamed
+from fast.config.schema import PROCESS_WORKERS
 from fast.errors import ConfigError
 from fast.optim import check_optimizer, check_schedule
 from fast.ownership import owners_config
@@ -39,6 +40,7 @@ def build_config(data: dict[str, Any]) -> Config:
     check_codec_fits_strategy(config)
     check_deployment(config)
     check_membership(config)
+    check_shards(config)
     return config
 
 
@@ -120,6 +122,48 @@ def check_membership(config: Config) -> None:
     if run.max_workers and run.max_workers < run.workers:
         raise ConfigError(f"run.max_workers = {run.max_workers} is fewer than the {run.workers} workers the run "
                           "starts with: raise it, or 0 for no limit")  # fmt: skip
+
+
+def check_shards(config: Config) -> None:
+    """ConfigError for a sharded run (`run.shards` > 1) its strategy, its options or its other keys cannot give
+    sharded replicas, each naming why (fast.shards, docs/sharded.md)."""
+    run = config.run
+    k = run.shards
+    if k == 1:
+        return
+    strategy, options = strategy_for(config), strategy_options(config)
+    why = strategy.refuses_shards(options, config)
+    if why:
+        from fast.strategies import registry
+
+        taking = ", ".join(sorted(name for name, cls in registry().items() if cls.takes_shards))
+        raise ConfigError(f"run.shards = {k}: strategy {config.strategy.name!r} does not run on sharded replicas "
+                          f"({why}); sharded runs take: {taking}")  # fmt: skip
+    refused = {
+        "strategy.final_model = 'best'": (
+            strategy.replicas_differ and options.final_model == "best",
+            "a replica is scored by a forward of its own, and a sharded replica's strategy holds local shards only",
+        ),
+        "run.membership = 'live'": (
+            run.live,
+            "a replica of K processes would have to join, leave and heal as one, which the membership does not do yet",
+        ),
+        'run.engine = "simulated"': (run.engine == "simulated", "FSDP2 shards over real process groups"),
+        "[network], [compute] or [faults]": (
+            config.network is not None or config.compute is not None or config.faults is not None,
+            "emulation names worker processes, and a sharded run's workers are replicas of K processes",
+        ),
+    }
+    for key, (set_, why) in refused.items():
+        if set_:
+            raise ConfigError(f"run.shards = {k} with {key}: {why}; leave one of them out")
+    if run.batch_size % k:
+        raise ConfigError(f"run.batch_size = {run.batch_size} does not split into run.shards = {k} equal slices (a "
+                          f"replica's batch, each shard a slice): use a multiple of {k}")  # fmt: skip
+    processes = run.workers * k
+    if run.engine == "processes" and processes > PROCESS_WORKERS:
+        raise ConfigError(f"run.workers = {run.workers} replicas of run.shards = {k} are {processes} processes, more "
+                          f"than a run's {PROCESS_WORKERS}: use fewer workers or fewer shards")  # fmt: skip
 
 
 def check_deployment(config: Config) -> None:

@@ -127,6 +127,7 @@ class Deployment:
 
     workers: int
     servers: int
+    shards: int  # processes per worker: a replica sharded over them (run.shards, fast.shards)
     engine: str  # "processes" or "simulated"
     addr: str  # where the processes meet (run.master_addr)
     port: int  # 0: a free one, picked when they start
@@ -138,7 +139,8 @@ class Deployment:
 
     @property
     def processes(self) -> int:
-        return self.workers + self.servers
+        """Every process of the run: each worker's (its replica's shards), then the servers."""
+        return self.workers * self.shards + self.servers
 
     def threads_for(self, processes_here: int) -> int:
         """Torch threads for one of `processes_here` processes of the run on this machine."""
@@ -173,6 +175,7 @@ def deployment_of(config: Config, strategy: type[Strategy], options: StrategyOpt
     return Deployment(
         workers=run.workers,
         servers=strategy.server_count(options, run.workers),
+        shards=run.shards,
         engine=run.engine,
         addr=run.master_addr,
         port=run.master_port,

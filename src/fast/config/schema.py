@@ -48,6 +48,14 @@ class RunConfig(Section):
         description='training processes, at most 256, or with run.engine = "simulated" simulated workers, at most '
         "4,096 (the servers of `async-ps`, asynchronous `easgd` and `ea-wild` come on top)",
     )
+    shards: int = Field(
+        1,
+        ge=1,
+        le=PROCESS_WORKERS,
+        description="processes per worker: each of run.workers replicas is this many processes that shard its model, "
+        "gradients and optimizer state with FSDP2, FAST's strategies running between replicas shard by shard "
+        "(docs/sharded.md)",
+    )
     epochs: float = Field(3, gt=0)
     batch_size: int = Field(64, ge=1)
     eval_every: float = Field(0.5, ge=0, description="epochs between test evaluations; 0 = only at the end")

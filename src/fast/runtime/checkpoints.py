@@ -18,6 +18,10 @@ RNG state, optimizer, strategy state and byte counts are in the file. If no step
 from the beginning, except under a strategy whose workers run at their own pace (`Strategy.stops_alone`; they
 may be more than one interval apart), where each process resumes from its own newest file, as an asynchronous
 run may.
+
+A sharded run's replicas (`run.shards` > 1) write a folder per replica and step instead, `replica<r>-step<N>`, through
+torch.distributed.checkpoint (fast.shards.checkpoint; fast.runtime.sharded); an unsharded run reads them too, worker r
+replica r's, so that a run resumes at another number of shards.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Any
 import torch
 
 from fast.comm import Comm
+from fast.errors import ConfigError
 from fast.runtime import files
+from fast.shards import checkpoint as replica_checkpoint
 
 KEEP = 2  # checkpoints kept per process: the newest, and the one before in case another process lacks the newest
 
@@ -104,12 +110,11 @@ class Checkpointing:
     fast.runtime.job.Job)."""
 
     def _checkpoint(self) -> None:
-        """This worker's state after this step in `checkpoints/worker<rank>-step<step>.pt`."""
+        """This worker's state after this step in `checkpoints/worker<rank>-step<step>.pt` (a sharded replica's
+        process: its part of its replica's folder)."""
         position = self._position()
         state = {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "strategy": self.strategy.state_dict(),
             "schedule": self.schedule.state_dict() if self.schedule is not None else {},
             "loader": torch.tensor(position if position is not None else (-1, -1)),
@@ -119,6 +124,10 @@ class Checkpointing:
             "rng": torch.get_rng_state(),
             **self.records.state(),
         }
+        if self.sharded is not None:
+            self._save_replica_checkpoint(state)
+            return
+        state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         save(state, self.run_dir, self.rank, self.step)
 
     def _position(self) -> tuple[int, int] | None:
@@ -137,7 +146,10 @@ class Checkpointing:
         checkpoint of it, delete its later ones. Returns the training time to resume the clock at."""
         server = self.is_server
         takes_part = not server or self.strategy.server_checkpoints
-        mine = saved_steps(self.run_dir, self.rank, server=server)
+        # an unsharded worker's files, and its replica's folders (written sharded, at any number of shards)
+        own = saved_steps(self.run_dir, self.rank, server=server) if self.sharded is None else []
+        folders = replica_checkpoint.saved_steps(self.run_dir, self.replica_index) if self.is_worker else []
+        mine = sorted({*own, *folders})
         everyone = gather_steps(self.world, mine if takes_part else None)
         if not takes_part:
             return 0.0
@@ -150,16 +162,27 @@ class Checkpointing:
             step = (mine[-1] if mine else None) if alone else 0
         if step is None:
             return 0.0
-        discard_after(self.run_dir, self.rank, step, server=server)
+        if self.sharded is None:
+            discard_after(self.run_dir, self.rank, step, server=server)
+        if self.is_worker and self.shard_index == 0:
+            replica_checkpoint.remove(self.run_dir, self.replica_index, [s for s in folders if s > step])
         if step not in mine:
             return 0.0
-        state = load(checkpoint_path(self.run_dir, self.rank, step, server=server))
+        if step in folders:  # (loads the model and the optimizer)
+            state = self._load_replica_checkpoint(replica_checkpoint.replica_folder(self.run_dir, self.replica_index,
+                                                                                    step))  # fmt: skip
+        elif self.sharded is not None:
+            raise ConfigError(f"resuming at run.shards = {self.shards}: the checkpoint of step {step} was written "
+                              "unsharded; resume it at run.shards = 1")  # fmt: skip
+        else:
+            state = load(checkpoint_path(self.run_dir, self.rank, step, server=server))
         self._restore_counter(state["counter"])
         if server:
             self.strategy.load_state_dict(state["strategy"])
             return 0.0
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.strategy.load_state_dict(state["strategy"])
         self._schedule_state = state.get("schedule") or None
         torch.set_rng_state(state["rng"])

@@ -82,18 +82,23 @@ def first_notices(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # -- the outputs -----------------------------------------------------------------------------------------------------
 def write_outputs(
-    run_dir: Path, everyone: list[dict[str, Any]], model: nn.Module | None, summary: dict[str, Any]
+    run_dir: Path,
+    everyone: list[dict[str, Any]],
+    model: nn.Module | dict[str, torch.Tensor] | None,
+    summary: dict[str, Any],
 ) -> dict[str, Any]:
-    """Worker 0 writes metrics.jsonl (every process's records), model.pt and summary.json, each atomically. One
-    the disk refuses (full, read-only) does not keep the others from being written; the first refusal is raised
-    after them, and the summary lists what is missing (`unwritten`)."""
+    """Worker 0 writes metrics.jsonl (every process's records), model.pt (of `model`, or a state already gathered:
+    a sharded run's) and summary.json, each atomically. One the disk refuses (full, read-only) does not keep the
+    others from being written; the first refusal is raised after them, and the summary lists what is missing
+    (`unwritten`)."""
     records = sorted((r for p in everyone for r in p["records"]), key=lambda r: (r["time_s"], r["worker"]))
     outputs: list[tuple[str, Any]] = [
         ("metrics.jsonl", lambda: files.write_text(run_dir / "metrics.jsonl",
                                                    "".join(json.dumps(r) + "\n" for r in records))),
     ]  # fmt: skip
     if model is not None:  # a compiled model's own module: its keys load into the user's class
-        state = {k: v.detach().cpu() for k, v in getattr(model, "_orig_mod", model).state_dict().items()}
+        given = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
+        state = {k: v.detach().cpu() for k, v in given.items()}
         outputs.append(("model.pt", lambda: checkpoint.save_atomic(state, run_dir / "model.pt")))
     if summary.get("config", {}).get("run", {}).get("trace"):
         traces = sorted((run_dir / "workers").glob("trace-*.json"))
@@ -262,6 +267,7 @@ class Ending:
             "compute_s": self.machine.compute_s,
             "compute_spread": self.machine.compute_spread,
             "request_s": self.machine.request_s,  # a server's (workers answer no requests)
+            "shard": self.shard_index,  # of its replica (0 unsharded): the replica's figures are its shard 0's
         }
         if emulated(self.config):
             own["deployment"] = record_of(self.machine, self.world)
@@ -283,10 +289,12 @@ class Ending:
         simulated one, whose host evaluates them one after another: a full test set each, at 1,024 workers ten
         minutes of LeNet on 2 cores where its training took one)."""
         most = self.config.eval.replicas or (SIMULATED_OWN_EVALUATIONS if self.simulated else None)
-        return most is None or self.rank % -(-self.config.run.workers // most) == 0
+        return most is None or self.replica_index % -(-self.config.run.workers // most) == 0
 
     def _gather_and_write(self, model: nn.Module | None) -> dict[str, Any] | None:
-        """Collective over all processes: worker 0 writes metrics.jsonl, summary.json and model.pt."""
+        """Collective over all processes: worker 0 writes metrics.jsonl, summary.json and model.pt (a sharded run's
+        gathered whole first, by replica 0's shards)."""
+        whole = self._whole_state(model) if self.sharded is not None else model
         own = self._own_figures()
         payload = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
         with self.world.unmetered():
@@ -294,7 +302,7 @@ class Ending:
         if not self.is_main:
             return None
         everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
-        return write_outputs(self.run_dir, everyone, model, self._summarize(everyone))
+        return write_outputs(self.run_dir, everyone, whole, self._summarize(everyone))
 
     def _gather_from_survivors(self) -> dict[str, Any] | None:
         """Every live process: hand the run's end to worker 0 (which returns the summary; the others None). On the
@@ -507,7 +515,9 @@ class Ending:
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),  # by the elastic agent (max_restarts)
             "replica_divergence": final.get("divergence"),
             "worker_test_accuracy": (
-                [(p.get("own_metrics") or {}).get("accuracy") for p in trainers] if differ else None
+                [(p.get("own_metrics") or {}).get("accuracy") for p in trainers if not p.get("shard")]
+                if differ
+                else None
             ),
             "evaluations": evals,
             "config": config.as_used(self.loop_is_fast),
@@ -523,6 +533,8 @@ class Ending:
             "predicted_step_time_s": self._predicted_step_time(compute_s),
         }
         summary.update(run_throughput([p.get("throughput") or {} for p in trainers]))
+        if run.shards > 1:  # each worker a replica of this many processes (fast.runtime.sharded)
+            summary["shards"] = run.shards
         if self.live:
             summary["membership"] = self.membership
             summary["workers_at_end"] = self.workers

@@ -5,6 +5,9 @@ replica itself where they agree); choosing it may be collective. The function ru
 metrics are sent to the others when the evaluation is collective, so that every worker returns them. Time spent
 here is not training time. The first evaluation checks that every target in `run.targets` names a metric the
 function returns.
+
+A sharded run's replicas (`run.shards` > 1) evaluate the sharded model, every shard of replica 0 together: a forward
+is collective inside a replica (fast.runtime.sharded).
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ class Evaluating:
         return self.frontend.on_tree(fn) if fn is not None and self.frontend is not None else fn
 
     def model_for_eval(self) -> Any:
-        """The model the run reports now (collective for strategies whose replicas differ); a JAX job's pytree."""
+        """The model the run reports now (collective for strategies whose replicas differ); a JAX job's pytree; a
+        sharded run's gathered whole in the user's class on each replica's shard 0 (None on its other shards;
+        collective inside every replica)."""
         model = self.strategy.eval_model()
+        if self.sharded is not None:
+            return self._whole_model(model)
         return self.frontend.on_tree(lambda params: params)(model) if self.frontend is not None else model
 
     def _check_targets(self, metrics: dict[str, float]) -> None:
@@ -104,12 +111,15 @@ class Evaluating:
         with self.clock.pause(), self.driver.evaluation():
             if collective:
                 model = strategy.final_model() if final else strategy.eval_model()
-                metrics = self._metrics_of(fn, model, during_run=not final) if self.is_main else {}
+                if self.sharded is not None:  # replica 0's shards together, on the sharded model holding `model`
+                    metrics = self._sharded_metrics(fn, model, during_run=not final)
+                else:
+                    metrics = self._metrics_of(fn, model, during_run=not final) if self.is_main else {}
                 if self.is_main:
                     self._check_targets(metrics)
                 metrics = broadcast_json(self.comm, metrics, self.comm.ranks[0]) if self.workers > 1 else metrics
                 if strategy.replicas_differ:
-                    divergence = strategy.divergence()
+                    divergence = self._divergence()
             else:  # worker 0 alone, while the others train on: its own replica, or the strategy's view
                 model = strategy.model if strategy.collective_eval else strategy.eval_model()
                 metrics = self._metrics_of(fn, model, during_run=True)

@@ -62,6 +62,7 @@ from fast.runtime.membership import ADDRESS_VARIABLE
 from fast.runtime.readback import BadSteps, read_together
 from fast.runtime.records import Records
 from fast.runtime.run_folder import claim, new_folder, release
+from fast.runtime.sharded import Sharded
 from fast.runtime.steps import StepDriver
 from fast.runtime.throughput import Throughput
 from fast.strategies import Strategy, StrategyContext
@@ -156,14 +157,15 @@ def _torchrun_world(parts: JobParts) -> JobParts:
     config, started, needed = parts.config, int(os.environ["WORLD_SIZE"]), parts.deployment.processes
     if started == needed:
         return parts
-    servers = parts.deployment.servers
-    if "workers" in config.run.model_fields_set or started <= servers:
+    servers, shards = parts.deployment.servers, parts.deployment.shards
+    if "workers" in config.run.model_fields_set or started <= servers or (started - servers) % shards:
+        of = f" of run.shards = {shards} processes each" if shards > 1 else ""
         raise ConfigError(
-            f"torchrun started {started} processes but the config's run.workers = {config.run.workers} needs "
+            f"torchrun started {started} processes but the config's run.workers = {config.run.workers}{of} needs "
             f"{needed}{f' (with {servers} servers)' if servers else ''}: leave run.workers out to take torchrun's "
-            f"world, or start {needed} (--nproc-per-node/--nnodes)"
+            f"world{f' (a multiple of {shards})' if shards > 1 else ''}, or start {needed} (--nproc-per-node/--nnodes)"
         )
-    return parts.with_workers(started - servers)
+    return parts.with_workers((started - servers) // shards)
 
 
 def _alone(parts: JobParts) -> JobParts:
@@ -174,6 +176,9 @@ def _alone(parts: JobParts) -> JobParts:
             f"strategy {config.strategy.name!r} needs server processes: start the script with "
             f"`fast run --workers {config.run.workers} SCRIPT` (or torchrun)"
         )
+    if parts.deployment.shards > 1:
+        raise ConfigError(f"run.shards = {parts.deployment.shards}: a replica is that many processes: start the script "
+                          f"with `fast run --workers {config.run.workers} SCRIPT` (or torchrun)")  # fmt: skip
     if config.run.workers > 1:
         if "workers" in config.run.model_fields_set:  # (the default's 4 says nothing of the user's intent)
             print(f"fast: not started by `fast run` or torchrun: training as 1 worker (for {config.run.workers}: "
@@ -193,11 +198,14 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool
     if not resume:
         for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
             stale.unlink(missing_ok=True)
+        for stale in run_dir.glob("checkpoints/replica*-step*"):  # a sharded run's (fast.shards.checkpoint)
+            shutil.rmtree(stale, ignore_errors=True)
     files.write_text(run_dir / "config.toml", config.as_used_toml(fast_loop))
 
 
-class Job(Evaluating, Checkpointing, Ending, Live, Detached):
-    """One process of a run (see the module docstring). Workers are ranks below `run.workers`; servers above."""
+class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
+    """One process of a run (see the module docstring). Workers are ranks below `run.workers` (times `run.shards`:
+    a sharded replica's processes, fast.runtime.sharded); servers above."""
 
     def __init__(self, parts: JobParts, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
         config = parts.config
@@ -208,6 +216,8 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         self.rank, self.world_size = where or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         run = config.run
         self.workers = run.workers
+        self.shards = run.shards  # processes per worker (a replica sharded over them, fast.runtime.sharded)
+        self.worker_processes = self.workers * self.shards
         # live membership: the rank is the member's id for the run's life, its place in a group changes
         self.live = run.live
         self.detached = self.live and parts.strategy.joins_alone  # (fast.runtime.detached)
@@ -220,18 +230,22 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         expected = parts.deployment.processes
         if self.world_size != expected:
             raise ConfigError(
-                f"{self.world_size} processes were started but the config needs {expected} (run.workers plus the "
-                "strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes (torchrun) to match"
+                f"{self.world_size} processes were started but the config needs {expected} (run.workers times "
+                "run.shards, plus the strategy's servers): set --workers (fast run) or --nproc-per-node/--nnodes "
+                "(torchrun) to match"
             )
         # a live run's servers are launched with it (joiners' ids come after theirs); only detached ones have any
         founder = os.environ.get("FAST_JOINING") != "1"
-        self.is_server = self.rank >= self.workers and (not self.live or (self.detached and founder))
+        self.is_server = self.rank >= self.worker_processes and (not self.live or (self.detached and founder))
         self.is_worker = not self.is_server
         self.is_main = self.rank == 0
         self.finished = False
         strategy_name = config.strategy.name
-        role = f"server {self.rank - self.workers + 1}/{self.world_size - self.workers}" if self.is_server else (
-            f"worker {self.rank}/{self.workers}")  # fmt: skip
+        servers = self.world_size - self.worker_processes
+        role = f"server {self.rank - self.worker_processes + 1}/{servers}" if self.is_server else (
+            f"worker {self.rank}/{self.workers}" if self.shards == 1 else
+            f"worker {self.rank // self.shards}/{self.workers} "
+            f"shard {self.rank % self.shards}/{self.shards}")  # fmt: skip
         self.role = role
         self.timeline = timeline.start(self.rank, keep_events=run.trace)
         if not self.simulated:  # simulated processes share this one's threads, one at a time
@@ -260,10 +274,11 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
                 comm_maker(network_for(config, self.world_size, self.rank), run.allreduce_piece_kb),
             )
         )
-        partition = [list(range(self.workers))]
-        if self.world_size > self.workers:  # workers and servers each get a group of their own
-            partition.append(list(range(self.workers, self.world_size)))
+        partition = [list(range(self.worker_processes))]
+        if self.world_size > self.worker_processes:  # workers and servers each get a group of their own
+            partition.append(list(range(self.worker_processes, self.world_size)))
         self.comm = self.world.subgroups(partition) if len(partition) > 1 and not self.detached else self.world
+        self._form_shard_groups()  # a sharded replica's two groups (run.shards > 1)
         run_shared_memory = run.shared_memory and not self.live
         if run_shared_memory and self.world.shares_memory and self.device.type == "cpu":  # not emulated, nor simulated
             for comm in self._own_groups():
@@ -272,13 +287,16 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         # emulated (or simulated) slowdown, stragglers, crash
         self.machine = machine_for(config, self.rank, self.records.file, simulated=self.simulated)
         self.context = StrategyContext(
-            comm=self.comm,
+            comm=self.comm if self.groups is None else self.groups.replicate,  # (shard k of every replica)
             world=self.world,
             config=config,
             device=self.device,
             workers=self.workers,
             rank=self.rank,
-            generator=torch.Generator().manual_seed(run.seed * 7919 + self.rank),
+            # (a replica's shards draw alike: the same peers, the same choices)
+            generator=torch.Generator().manual_seed(
+                run.seed * 7919 + (self.rank if self.groups is None else self.replica_index)
+            ),  # fmt: skip
             steps_per_epoch=1,
             save_checkpoint=self._save_server_checkpoint if self.is_server else None,
             serving=self.machine.serving,
@@ -351,8 +369,10 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         return board
 
     def _own_groups(self) -> list[Comm]:
-        """The world and, when it is another, this process's group in it (workers or servers)."""
-        return [self.world] if self.comm is self.world else [self.world, self.comm]
+        """The world and, when it is another, this process's group in it (workers or servers); a sharded replica's
+        process, its replica group too (the strategy's)."""
+        own = [self.world] if self.comm is self.world else [self.world, self.comm]
+        return own if getattr(self, "groups", None) is None else [*own, self.groups.replicate]
 
     @property
     def step(self) -> int:
@@ -372,7 +392,8 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
 
     @property
     def samples_per_step(self) -> int:
-        """The samples one step of every worker trains on together (the members', in a live run)."""
+        """The samples one step of every worker trains on together (the members', in a live run; a sharded
+        replica's batch is the batch size, its shards' slices together)."""
         return self.workers * self.batch_size
 
     @property
@@ -388,6 +409,9 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
         A JAX job gives a pytree of parameters and an Optax optimizer instead, and gets back the starting weights
         and an optimizer whose step(grads) is a training step (fast.jax)."""
         if type(optimizer).__module__.startswith("optax") and not isinstance(model, nn.Module):
+            if self.shards > 1:
+                raise ConfigError(f"run.shards = {self.shards} shards a PyTorch model with FSDP2: a JAX job trains a "
+                                  "whole replica per worker; set run.shards = 1")  # fmt: skip
             from fast.jax import prepare as prepare_jax  # (the PyTorch path never imports JAX)
 
             return prepare_jax(self, model, optimizer)
@@ -403,21 +427,22 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached):
                              "gradients a second time: give prepare the module itself (drop DDP(...), or pass "
                              "model.module)")  # fmt: skip
         self._place(model)
+        view = self._shard(model, optimizer)  # what the strategy runs on: the model, or a sharded one's local shards
         self.model, self.optimizer = model, optimizer
         self.throughput = Throughput(self.device)
         if self.throughput.wanted:
             self.driver.on_first_batch = self.throughput.first_batch
-        if self.world_size > self.workers and self.is_main:
+        if self.world_size > self.worker_processes and self.is_main:
             layout = ModelLayout.of(model)
             servers = range(1, self.world.size) if self.detached else range(self.workers, self.world_size)
             with self.world.unmetered():
                 for server in servers:
                     self.world.send(torch.tensor([layout.parameters, layout.state]), server, tag=LAYOUT_TAG)
         if self.live and not self.detached:
-            self._set_up_live(lambda: self.strategy.setup(model, optimizer))
+            self._set_up_live(lambda: self.strategy.setup(view, optimizer))
         else:
-            self.strategy.setup(model, optimizer)
-        self.driver.attach(model, optimizer)
+            self.strategy.setup(view, optimizer)
+        self.driver.attach(model, optimizer, self.sharded)
         offset = self._restore() if self.resuming else 0.0
         if self.detached:  # every worker from the servers' weights
             self._catch_up()

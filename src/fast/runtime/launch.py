@@ -39,6 +39,7 @@ GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
 SETTLE_S = 3.0  # seconds the others get to report after a first failure
 SURVIVOR_GRACE_S = 10.0  # seconds the survivors get to exit once rank 0 has ended a run that survives failures
 LINGER_S = 1.0  # under the elastic agent, seconds a worker that lost a peer waits before it ends (see below)
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for a peer gone
 
 
 class WorkerFailed(FastError):
@@ -123,7 +124,9 @@ def failure_of(e: BaseException, trace: str | None = None) -> Failure:
     if isinstance(e, FastError):
         return Failure(message, e.exit_code, None, secondary=isinstance(e, CommError))
     shown = (trace or traceback.format_exc()) if not isinstance(e, KeyboardInterrupt) else None
-    return Failure(f"{type(e).__name__}: {message}", 1, shown)
+    # a peer gone in the backend's own collective (FSDP2's, inside a sharded replica): the peer's end explains it
+    lost_peer = isinstance(e, RuntimeError) and any(words in message for words in LOST_PEER)
+    return Failure(f"{type(e).__name__}: {message}", 1, shown, secondary=lost_peer)
 
 
 def _context() -> Any:

@@ -11,6 +11,10 @@ in step, the workers agree after each batch whether all of them have one, so the
 
 Each pass over the loader is the next epoch. After a resume the first pass skips the batches already done.
 
+A sharded run's workers are replicas of K processes (`run.shards`, fast.shards): the data is cut by replica, each
+replica's order is the one an unsharded worker of its index would have, and each of its K processes takes its slice
+of every batch (the batch size is the replica's; process k of its replica takes rows k·b/K to (k+1)·b/K).
+
 A live run (`run.membership = "live"`) has no shards: its members share one cursor through each epoch's order (a seeded
 permutation of the whole dataset), and at each step the member of rank r of n takes the r-th of the next n
 batches, so that members may come and go without a sample lost or seen twice (fast.runtime.live).
@@ -40,6 +44,9 @@ class Host(Protocol):
     rank: int
     workers: int
     is_worker: bool
+    replica_index: int  # this worker's replica (its rank, unsharded)
+    shard_index: int  # this process's shard of its replica (0, unsharded)
+    shards: int
     device: torch.device
     step: int
     stopped: bool
@@ -125,6 +132,14 @@ class ShardedLoader:
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"job.loader: batch_size must be at least 1, got {batch_size}")
+        shards = getattr(job, "shards", 1)
+        if batch_size % shards:
+            raise ConfigError(f"job.loader: batch size {batch_size} does not split into run.shards = {shards} "
+                              f"equal slices (a replica's batch, each shard a slice): use a multiple of "
+                              f"{shards}")  # fmt: skip
+        self.slice = batch_size // shards  # this process's part of its replica's batch
+        self.part = getattr(job, "shard_index", 0) * self.slice
+        self.replica = getattr(job, "replica_index", job.rank)  # (the worker's rank, unsharded)
         self.job, self.dataset, self.batch_size, self.shuffle = job, dataset, batch_size, shuffle
         self.collate_fn = collate_fn
         self.device = job.device if device_placement else None
@@ -151,7 +166,7 @@ class ShardedLoader:
                 cut = partition(labels_of(dataset, labels), workers, "dirichlet", alpha=data.alpha, seed=seed)
             else:
                 cut = partition(torch.zeros(len(dataset)), workers, "iid", seed=seed)
-            self.shard = cut[min(job.rank, workers - 1)] if job.is_worker else cut[0][:0]
+            self.shard = cut[min(self.replica, workers - 1)] if job.is_worker else cut[0][:0]
             smallest = min(len(s) for s in cut)
             if batch_size > smallest:
                 raise ConfigError(
@@ -190,9 +205,9 @@ class ShardedLoader:
             return
         order = self.shard
         if self.shuffle:
-            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, job.rank)]
-        b = self.batch_size
-        batches = [order[i * b : (i + 1) * b] for i in range(skip, self.steps_per_epoch)]
+            order = order[epoch_order(len(order), job.config.run.seed, self.epoch, self.replica)]
+        b, first = self.batch_size, self.part
+        batches = [order[i * b + first : i * b + first + self.slice] for i in range(skip, self.steps_per_epoch)]
         for batch in self._fetch(batches):
             job._settle()  # the workers' check owed after the last step, before this batch is used
             if job.stopped:
@@ -274,8 +289,9 @@ class ShardedLoader:
 
     def _stream(self) -> Iterator[Any]:
         job = self.job
-        mine = _Slice(self.dataset, job.rank, job.workers)
-        batches = iter(DataLoader(mine, batch_size=self.batch_size, drop_last=True, collate_fn=self.collate_fn))
+        mine = _Slice(self.dataset, self.replica, job.workers, self.part // self.slice, self.batch_size // self.slice,
+                      self.slice)  # fmt: skip
+        batches = iter(DataLoader(mine, batch_size=self.slice, drop_last=True, collate_fn=self.collate_fn))
         while not job.stopped:
             batch = next(batches, None)
             if not job._all_have(batch is not None):
@@ -290,10 +306,16 @@ class ShardedLoader:
 
 
 class _Slice(IterableDataset):
-    """Worker `rank` of `workers`'s part of a stream: items rank, rank + workers, ..."""
+    """Worker `rank` of `workers`'s part of a stream: items rank, rank + workers, ...; of those, a sharded replica's
+    shard `part` of `parts` takes the `part`-th run of `run` items of every `parts` runs (its slice of each batch)."""
 
-    def __init__(self, dataset: IterableDataset, rank: int, workers: int) -> None:
+    def __init__(self, dataset: IterableDataset, rank: int, workers: int, part: int = 0, parts: int = 1,
+                 run: int = 1) -> None:  # fmt: skip
         self.dataset, self.rank, self.workers = dataset, rank, workers
+        self.part, self.parts, self.run = part, parts, run
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.dataset), self.rank, None, self.workers)
+        mine = itertools.islice(iter(self.dataset), self.rank, None, self.workers)
+        if self.parts == 1:
+            return mine
+        return (item for i, item in enumerate(mine) if (i // self.run) % self.parts == self.part)

@@ -18,6 +18,14 @@ model and optimizer are the user's own, with hooks added. The hooks are plain fu
 (`copy.deepcopy`, as strategies take to evaluate an average) carries them without the job; they ignore it.
 Inside `no_sync()` (gradient accumulation), or after a forward while the model's `require_backward_grad_sync` is
 False (DDP's flag, read at each forward as DDP does), a backward only accumulates: the strategy runs at the last one.
+
+A sharded replica's process (`run.shards` > 1, fast.shards) attaches with its `replica`: the hooks are on the user's
+FSDP2 model and optimizer, and the strategy and the checks see the local shards (`replica.view`), whose gradients
+cross the bridge around `after_backward`. FSDP2 gives a sharded parameter its gradient without autograd's
+accumulation hooks, so the strategy runs when `optimizer.step()` begins (sync's buckets then do not overlap the
+backward). A shard's non-finite gradients are its whole replica's: the replica agrees on one device flag, so that all
+of its shards skip the step or none, and a strategy that checks its own gradients finds them on every shard. Clipping
+takes the global norm over the model's sharded parameters; inside `no_sync()` FSDP2 keeps its gradients unreduced.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from torch import nn
 from fast.comm import timeline
 from fast.errors import CommError
 from fast.flags import Flag, either, zero_where
+from fast.shards import ShardedReplica
+from fast.shards.local import local_tensor
 from fast.strategies import Strategy
 
 
@@ -49,6 +59,14 @@ def nonfinite(grads: list[torch.Tensor]) -> Flag:
     else:
         extremes = [torch.stack(torch.aminmax(g)) for g in grads]
     return ~torch.isfinite(torch.cat([e.float().reshape(-1) for e in extremes])).all()
+
+
+def _mark_nonfinite(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
+    """Make `grads` non-finite where the device `flag` is set (a shard whose replica's gradients were not): the first
+    element divided by 0 there, by 1 elsewhere."""
+    first = next((g for g in grads if g.numel()), None)
+    if first is not None:
+        first.view(-1)[:1].div_(~flag)
 
 
 def _batch_size(args: Any, kwargs: dict[str, Any]) -> int:
@@ -89,12 +107,17 @@ class StepDriver:
         self.on_failure: Callable[[], None] | None = None
         self.failed = False
         self.model: nn.Module
-        self.params: list[nn.Parameter] = []
+        self.params: list[nn.Parameter] = []  # what the strategy and the checks see (a sharded replica's local shards)
+        self.replica: ShardedReplica | None = None
+        self.model_params: list[nn.Parameter] = []  # the model's own (a sharded replica's DTensors)
 
     # -- attaching --------------------------------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, replica: ShardedReplica | None = None) -> None:
+        """Hook into `model` and `optimizer`; a sharded replica's process gives its `replica` (`model` is then the
+        replica's sharded model)."""
+        self.model, self.optimizer, self.replica = model, optimizer, replica
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in replica.view.parameters() if p.requires_grad] if replica else self.model_params
         me = weakref.ref(self)
         target = weakref.ref(model)
 
@@ -130,13 +153,14 @@ class StepDriver:
 
         if not hasattr(model, "no_sync"):  # DDP's spelling of gradient accumulation, for a script that uses it
             model.no_sync = no_sync
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # takes found_inf (GradScaler's)
+        # takes found_inf (GradScaler's); a sharded replica's steps are skipped by zeroing its gradients
+        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and replica is None
         self.handles = [
             model.register_forward_pre_hook(before_forward, with_kwargs=True),
             model.register_forward_hook(after_forward),
             optimizer.register_step_pre_hook(before_optimizer),
             optimizer.register_step_post_hook(after_optimizer),
-            *(p.register_post_accumulate_grad_hook(gradient_ready) for p in self.params),
+            *(p.register_post_accumulate_grad_hook(gradient_ready) for p in self.model_params),
         ]
 
     def detach(self) -> None:
@@ -204,12 +228,21 @@ class StepDriver:
     def gradients_done(self) -> None:
         """The step's gradients are all in: keep a non-finite one from leaving this worker, then the strategy."""
         self._computed()
-        if not self.strategy.checks_gradients:
+        replica = self.replica
+        if replica is not None:
+            replica.gradients_in()
+        if replica is not None or not self.strategy.checks_gradients:
             grads = [p.grad for p in self.params if p.grad is not None]
-            self.bad = nonfinite(grads)
-            if self.bad is not False and not self.strategy.gradients_stay_local(self.step):
-                for g in grads:  # nothing non-finite leaves the worker
-                    zero_where(g, self.bad)
+            bad = nonfinite(grads)
+            if replica is not None:  # one shard's are its replica's: every shard's flag is the replica's
+                bad = replica.any(bad if bad is not False else torch.zeros((), dtype=torch.bool, device=self._device()))
+            if self.strategy.checks_gradients:
+                _mark_nonfinite(grads, bad)  # (so that the strategy finds its replica's on every shard)
+            else:
+                self.bad = bad
+                if bad is not False and not self.strategy.gradients_stay_local(self.step):
+                    for g in grads:  # nothing non-finite leaves the worker
+                        zero_where(g, bad)
         with timeline.span("strategy.after_backward", "communicate"):
             try:
                 self.strategy.after_backward(self.step)
@@ -219,8 +252,13 @@ class StepDriver:
                 self.failed = True
                 for p in self.params:  # the optimizer leaves parameters without a gradient alone
                     p.grad = None
+        if replica is not None:
+            replica.gradients_out()
         self.bad = either(self.bad, self.strategy.gradients_were_bad)
         self.backward_done = True
+
+    def _device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
 
     def _optimizer_starts(self) -> None:
         if not self.began:
@@ -230,12 +268,12 @@ class StepDriver:
         strategy = self.strategy
         skip = strategy.skips_step if strategy.averages_gradients else either(self.bad, strategy.skips_step)
         if skip is True:  # known on the host (a strategy of the user's own may say so)
-            for p in self.params:  # the optimizer leaves parameters without a gradient alone
+            for p in {*self.params, *self.model_params}:  # the optimizer leaves parameters without a gradient alone
                 p.grad = None
         elif skip is not False:
             self._skip_on_device(skip)
-        if self.clip_norm is not None and skip is not True:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+        if self.clip_norm is not None and skip is not True:  # (a sharded model's: the global norm over its shards)
+            torch.nn.utils.clip_grad_norm_(self.model_params, self.clip_norm)
         self.strategy.before_optimizer_step()
         timeline.open_span("optimizer", "compute")
         self.computing = True
@@ -244,6 +282,11 @@ class StepDriver:
         """Skip the step where the device flag `skip` is set, without reading it: an optimizer that takes found_inf
         skips it exactly (as under a GradScaler: its found_inf, if any, is kept, the larger wins); any other steps
         with zero gradients."""
+        if self.replica is not None:  # the model's own gradients, where the strategy left them
+            for p in self.model_params:
+                if p.grad is not None:
+                    zero_where(local_tensor(p.grad), skip)
+            return
         if not self.fused:
             self.strategy.zero_gradients_where(skip)
             return
@@ -292,7 +335,7 @@ class StepDriver:
         self.strategy.contributing = False
         try:
             self.begin(computes=False)
-            for p in self.params:
+            for p in {*self.params, *self.model_params}:
                 p.grad = None
             self.gradients_done()
             self.strategy.after_optimizer_step(self.step)
@@ -306,11 +349,15 @@ class StepDriver:
         """Backward passes inside only accumulate gradients; the strategy runs at the first one outside."""
         self.in_no_sync = True
         self._accumulate(True)
+        if self.replica is not None:  # FSDP2 keeps the gradients unreduced until the backward outside
+            self.model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self.in_no_sync = False
             self._accumulate(False)
+            if self.replica is not None:
+                self.model.set_requires_gradient_sync(True)
 
     def _accumulate(self, accumulating: bool) -> None:
         self.accumulating = self.strategy.accumulating = accumulating

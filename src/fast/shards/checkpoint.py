@@ -18,6 +18,8 @@ Every process writes and reads the same way at every step, so a resume is bit fo
 
 from __future__ import annotations
 
+import re
+import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -44,6 +46,28 @@ def replica_folder(run_dir: Path, replica: int, step: int) -> Path:
 def complete(folder: Path) -> bool:
     """Whether `folder` holds a whole checkpoint (DCP's metadata, written once every shard's part is in)."""
     return (folder / METADATA).is_file()
+
+
+def saved_steps(run_dir: Path, replica: int) -> list[int]:
+    """The steps of replica `replica`'s whole checkpoints in `run_dir`, oldest first."""
+    pattern = re.compile(rf"replica{replica}-step(\d+)")
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = ((m, p) for p in folder.iterdir() if (m := pattern.fullmatch(p.name)))
+    return sorted(int(m.group(1)) for m, p in found if complete(p))
+
+
+def remove(run_dir: Path, replica: int, steps: list[int]) -> None:
+    """Delete replica `replica`'s checkpoints of `steps` (its shard 0 does, once no shard reads them)."""
+    for step in steps:
+        shutil.rmtree(replica_folder(run_dir, replica, step), ignore_errors=True)
+
+
+def read_extra(folder: Path, index: int) -> dict[str, Any]:
+    """Shard `index`'s own small state in `folder`, or shard 0's where the checkpoint had no shard `index`."""
+    own = folder / f"extra-shard{index}.pt"
+    return torch.load(own if own.is_file() else folder / "extra-shard0.pt", map_location="cpu", weights_only=True)
 
 
 def _group_of(model: nn.Module) -> tuple[Any, int]:
@@ -120,5 +144,4 @@ def load(
         dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
     with _quiet(optimizer):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    own = folder / f"extra-shard{index}.pt"
-    return torch.load(own if own.is_file() else folder / "extra-shard0.pt", map_location="cpu", weights_only=True)
+    return read_extra(folder, index)

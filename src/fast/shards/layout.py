@@ -9,6 +9,11 @@ every block's all-gather and reduce-scatter. Two partitions of the ranks follow 
 - the replica groups ("replicate"), one per shard index k, the W ranks that hold shard k: the group FAST's strategies
   run on, shard k of every replica with shard k of the others.
 
+A strategy may make groups of its own from its replica group (a background channel, sync's hierarchy); a process
+group is made by every process of the run together, in the same order, so the replica group's `Comm` makes each of
+them for every shard index at once, shard k of every replica calling with its own ranks (`ReplicateComm`): the shards
+of a replica run the same code at the same step, so their calls line up.
+
 Traffic inside a replica is FSDP2's own and is not FAST's to count: the shard group's `Comm` has a byte counter of its
 own, and what a run reports is what crosses between replicas, as it is for unsharded workers.
 """
@@ -16,7 +21,9 @@ own, and what a run reports is what crosses between replicas, as it is for unsha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from fast.comm import ByteCounter, Comm
@@ -59,6 +66,38 @@ class Layout:
         """One per shard index k: the ranks of shard k in every replica (the strategies' group)."""
         return [list(self.ranks[k :: self.shards]) for k in range(self.shards)]
 
+    def counterparts(self, ranks: list[int]) -> list[list[int]]:
+        """For ranks of one shard index (some of a replica group's), the same replicas' ranks at every shard index."""
+        return [[self.ranks[self.replica_of(r) * self.shards + k] for r in ranks] for k in range(self.shards)]
+
+
+class ReplicateComm(Comm):
+    """A replica group's `Comm`: a group made from it (`subgroups`, `separate_group`) is made for every shard index
+    at once (see the module), and is of this kind too."""
+
+    def __init__(self, layout: Layout, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layout = layout
+
+    @classmethod
+    def wrapping(cls, comm: Comm, layout: Layout) -> ReplicateComm:
+        """`comm`'s group, as a replica group's Comm."""
+        made = cls(layout, group=comm.group, deadline_s=comm.deadline_s, device=comm.device,
+                   counter=comm.counter, ranks=comm.ranks, rank=comm.rank, world_size=comm.world_size,
+                   piece_bytes=comm.piece_bytes)  # fmt: skip
+        made.interrupted, made.connect_s, made.busy, made.key = comm.interrupted, comm.connect_s, comm.busy, comm.key
+        return made
+
+    def _connect_group(self, ranks: list[int], backend: str, connect_s: float | None) -> Any:
+        mine = None
+        for theirs in self.layout.counterparts(ranks):  # (every process makes every shard index's, in order)
+            group = super()._connect_group(theirs, backend, connect_s)
+            mine = group if theirs == list(ranks) else mine
+        return mine
+
+    def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
+        return self.wrapping(super()._derived(group=group, ranks=ranks, device=device), self.layout)
+
 
 @dataclass
 class Groups:
@@ -84,8 +123,9 @@ def form_groups(comm: Comm, shards: int) -> Groups:
     member of `comm` calls it, in the same order relative to its other group-making calls."""
     layout = Layout.of(comm.ranks, shards)
     shard = comm.subgroups(layout.shard_groups())
-    replicate = comm.subgroups(layout.replica_groups())
-    assert shard is not None and replicate is not None  # every rank of `comm` is in one group of each partition
+    replicas = comm.subgroups(layout.replica_groups())
+    assert shard is not None and replicas is not None  # every rank of `comm` is in one group of each partition
+    replicate = ReplicateComm.wrapping(replicas, layout)
     shard.counter = ByteCounter()  # FSDP2's traffic inside the replica is not between replicas
     mesh = DeviceMesh.from_group(shard.group, comm.device.type, mesh_dim_names=("shard",))
     return Groups(layout, replicate, shard, mesh)

@@ -6,6 +6,8 @@
                                     local shards as an ordinary module) and the user's optimizer
     each step, around after_backward replica.gradients_in() ... strategy.after_backward ... replica.gradients_out();
                                     a device flag every shard of the replica must agree on: replica.any(flag)
+    an evaluation                   with replica.holding(strategy's model) as sharded: fn(sharded), every shard of the
+                                    replica together; a whole-replica divergence: replica.divergence(flat)
     model.pt, an evaluation alone   replica.whole_state_dict() on shard 0; replica.whole_model() there
     checkpoints                     replica.save(folder, extra, flat) / replica.load(folder, flat) -> extra
 
@@ -15,7 +17,8 @@ backward are FSDP2's, collective inside the replica.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,10 @@ class ShardedReplica:
     """This process's groups, the user's model sharded over its replica, and the strategies' view of its shards.
     Collective over `comm` (the workers' group): every member makes its own, in the same order."""
 
-    def __init__(self, comm: Comm, shards: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.groups: Groups = form_groups(comm, shards)
+    def __init__(
+        self, comm: Comm, shards: int, model: nn.Module, optimizer: torch.optim.Optimizer, groups: Groups | None = None
+    ) -> None:
+        self.groups: Groups = groups if groups is not None else form_groups(comm, shards)  # (formed already: given)
         # the user's class, without memory, for a whole copy (a model the user sharded has none: it is built anew)
         self.unsharded = None if is_sharded(model) else Unsharded(model)
         self.model = shard(model, self.groups.mesh, optimizer)
@@ -73,6 +78,39 @@ class ShardedReplica:
         either = flag.to(torch.float32).reshape(1)
         self.groups.shard.all_reduce(either, op="max")
         return either.reshape(()) > 0
+
+    @contextmanager
+    def holding(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The sharded model holding the state of `model`, a module like `view` (a strategy's average or θ, copied
+        from the view), for a forward of the whole replica (an evaluation: collective inside it); the replica's own
+        shards are back afterwards. `view` itself: the sharded model as it is."""
+        if model is self.view:
+            yield self.model
+            return
+        mine, theirs = self.view.state_dict(), model.state_dict()  # (the view's share the local shards' memory)
+        kept = {name: tensor.clone() for name, tensor in mine.items()}
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                tensor.copy_(theirs[name])
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for name, tensor in mine.items():
+                    tensor.copy_(kept[name])
+
+    def divergence(self, flat: torch.Tensor) -> float:
+        """Mean over replicas of ||w_r - w̄|| / ||w̄||, of whole replicas, from this shard's part of its replica's
+        parameters `flat` (collective over both groups; measurement traffic, not counted)."""
+        replicate, shard = self.groups.replicate, self.groups.shard
+        with replicate.unmetered(), shard.unmetered(), torch.no_grad():
+            mean = flat.clone()
+            replicate.all_reduce(mean, op="mean")
+            squares = torch.stack([(flat - mean).square().sum(), mean.square().sum()]).float()
+            shard.all_reduce(squares)  # the whole replica's sums of squares
+            ratio = (squares[0].sqrt() / squares[1].sqrt().clamp_min(1e-12)).reshape(1)
+            replicate.all_reduce(ratio, op="mean")
+        return float(ratio.item())
 
     def whole_state_dict(
         self, local: Mapping[str, torch.Tensor] | None = None, everywhere: bool = False

@@ -60,6 +60,10 @@ class Strategy:
     # True: its workers never step together, so a live run's members take no membership rounds: each joins on
     # lines of its own to the servers and heals by `catch_up` from them (fast.runtime.detached)
     joins_alone: ClassVar[bool] = False
+    # True: it runs on sharded replicas (`run.shards` > 1, fast.shards): on `model`, the replica's local shards as an
+    # ordinary module (no forward of its own), and `comm`, shard k of every replica; `shards_why` says why not
+    takes_shards: ClassVar[bool] = True
+    shards_why: ClassVar[str] = ""
     # what a joiner's catch-up carries besides the weights and the optimizer (`fast predict`): model-sized copies
     # of the strategy's own state (DiLoCo: θ and the outer momentum)
     catch_up_copies: ClassVar[float] = 0.0
@@ -158,6 +162,11 @@ class Strategy:
     @classmethod
     def check(cls, options: StrategyOptions, config: Config) -> None:
         """Raise ConfigError for option combinations that cannot work with this config."""
+
+    @classmethod
+    def refuses_shards(cls, options: StrategyOptions, config: Config) -> str | None:
+        """Why this strategy cannot run with these options on sharded replicas (`run.shards` > 1), or None."""
+        return None if cls.takes_shards else cls.shards_why
 
     def setup_server(self, layout: ModelLayout) -> None:
         """Called once on a server process before the common start barrier (create the same process groups

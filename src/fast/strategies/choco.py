@@ -54,6 +54,7 @@ class Choco(Gossip):
     registered = False
     variant_of = Gossip
     survives_failures = False
+    takes_shards = True
 
     @classmethod
     def chosen_when(cls, options: dict[str, Any], codec: str) -> bool:

@@ -46,6 +46,11 @@ class DeMoOptions(SyncOptions):
 
 class DeMo(Sync):
     name = "demo"
+    takes_shards = False
+    shards_why = (
+        "it scales each parameter's sign by its optimizer group's learning rate, found by parameter, and a "
+        "replica's local shards are not the optimizer's parameters"
+    )
     Options = DeMoOptions
 
     @classmethod

@@ -54,6 +54,11 @@ class Gossip(Strategy):
     Options = GossipOptions
     tags = (0,)
     survives_failures = True  # with a codec (CHOCO-SGD) a death stays fatal
+    takes_shards = False
+    shards_why = (
+        "it survives a lost worker, and a sharded replica cannot lose a process: FSDP2's collectives inside "
+        "it need every shard (gossip with a [codec], CHOCO-SGD, takes shards)"
+    )
     joins = True  # at any step (run.membership = "live"): the topology is re-made over the members
     cost_options = PEER_OPTIONS | {"overlap"}
     cost_defaults = {

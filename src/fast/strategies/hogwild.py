@@ -47,6 +47,8 @@ class Hogwild(Strategy):
     replicas_differ = False  # there is one model
     collective_eval = False
     stops_alone = True
+    takes_shards = False
+    shards_why = "its workers update one whole model in shared memory"
     priced = False  # nothing crosses a link; the α-β model cannot price the workers' contention on one memory
 
     @classmethod

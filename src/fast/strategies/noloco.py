@@ -56,6 +56,11 @@ class NoLoCo(Strategy):
     tags = (0,)
     replicas_differ = True
     survives_failures = True
+    takes_shards = False
+    shards_why = (
+        "it survives a lost worker, and a sharded replica cannot lose a process: FSDP2's collectives inside "
+        "it need every shard"
+    )
     cost_options = frozenset({"period"})
 
     @classmethod

@@ -171,6 +171,11 @@ class AsyncPeers(Strategy):
     collective_eval = False
     stops_alone = True
     survives_failures = True
+    takes_shards = False
+    shards_why = (
+        "its workers step at their own pace and survive a lost worker, and a sharded replica's shards "
+        "step together and cannot lose one"
+    )
     header_size: ClassVar[int] = 2  # a message header's entries, its kind included
 
     @classmethod

@@ -168,6 +168,10 @@ class ServerStrategy(Strategy):
     collective_eval = False
     stops_alone = True
     survives_failures = True
+    takes_shards = False
+    shards_why = (
+        "its servers hold whole-model state that every worker pushes to and pulls from; servers are not sharded"
+    )
     server_checkpoints = True  # the servers' snapshots
     state_key: ClassVar[str] = "state"  # the name of the server's state in its checkpoint
 

@@ -113,6 +113,11 @@ class StaleSynchronous(Strategy):
     Options = SSPOptions
     tags = (HEADER, BODY)
     collective_eval = False  # rank 0 evaluates its replica during training; nobody waits for it
+    takes_shards = False
+    shards_why = (
+        "worker 0 evaluates its replica alone while the others train on, and a sharded replica's forward "
+        "needs all of its shards"
+    )
     cost_options = COLLECTIVE_OPTIONS | {"staleness", "exchange"}
 
     @classmethod

@@ -162,6 +162,10 @@ class Sync(Strategy):
             self.compressed = CompressedAllReduce(self.comm, codec, background=True)
             correct = self.options.momentum_correction
             if correct or (correct is None and codec.name != "powersgd"):
+                if isinstance(optimizer, torch.optim.SGD) and self.ctx.config.run.shards > 1:
+                    raise ConfigError("sync's momentum correction (with a codec) applies SGD's momentum by parameter, "
+                                      "and a sharded replica's local shards are not the optimizer's parameters: set "
+                                      "strategy.momentum_correction = false, or run.shards = 1")  # fmt: skip
                 self.momentum = MomentumCorrection(optimizer)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.order: list[int] = []  # buckets (indices) in the order this step launched them
