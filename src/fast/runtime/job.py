@@ -217,7 +217,6 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         run = config.run
         self.workers = run.workers
         self.shards = run.shards  # processes per worker (a replica sharded over them, fast.runtime.sharded)
-        self.worker_processes = self.workers * self.shards
         # live membership: the rank is the member's id for the run's life, its place in a group changes
         self.live = run.live
         self.detached = self.live and parts.strategy.joins_alone  # (fast.runtime.detached)
@@ -373,6 +372,11 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         process, its replica group too (the strategy's)."""
         own = [self.world] if self.comm is self.world else [self.world, self.comm]
         return own if getattr(self, "groups", None) is None else [*own, self.groups.replicate]
+
+    @property
+    def worker_processes(self) -> int:
+        """The workers' processes: each worker's replica of `run.shards` (a live run's members, as they are now)."""
+        return self.workers * self.shards
 
     @property
     def step(self) -> int:
