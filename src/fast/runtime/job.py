@@ -205,7 +205,12 @@ def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool
 
 class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
     """One process of a run (see the module docstring). Workers are ranks below `run.workers` (times `run.shards`:
-    a sharded replica's processes, fast.runtime.sharded); servers above."""
+    a sharded replica's processes, fast.runtime.sharded); servers above.
+
+    The job receives its parts resolved once (fast.parts.JobParts) and reads no config of its own. Its concerns
+    around the step (evaluations, checkpoints, the end, live membership, detached lines, shards) are mixins rather
+    than parts it holds: each reads and writes the step's state (the step, the clock, the records, the groups) at
+    every boundary, and as separate objects each would hold the job back to reach it."""
 
     def __init__(self, parts: JobParts, run_dir: Path, *, resume: bool = False, alone: bool = False) -> None:
         config = parts.config
