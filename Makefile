@@ -37,7 +37,7 @@ demo: setup data
 	$(VENV)/bin/fast compare examples/demo.toml
 
 test: setup data $(TEST_STAMP)
-	$(PY) -m pytest -q -n 3 --dist worksteal  # 3 at once: most tests wait on processes they started
+	$(PY) -m pytest -q
 
 bench: setup data $(TEST_STAMP)  # about 2 hours on 2 cores; each script prints its ratios and whether its target is met
 	$(PY) bench/sync_vs_ddp.py
