@@ -6,7 +6,7 @@ back (`[faults] churn`).
 
 Every run's membership is live (`run.membership = "live"`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by
 default; `--real-links`: this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With
-churn, each worker but worker 0 stays an exponential time of mean a third of that, and a new one comes back after a mean
+churn, each worker, worker 0 too, stays an exponential time of mean a third of that; a new one comes back after a mean
 of a tenth of it, healed from a live peer. `--equal tokens` (the default): the run with churn trains on as many samples
 as the one without did (`run.max_samples`), however long that takes, so that the perplexities compare the same amount of
 training; `--equal time`: it trains for the same time, on fewer samples. Per strategy and seed: the final validation

@@ -25,8 +25,10 @@ JOB = {
     "run__checkpoint_every": 0,
 }
 SIMULATED = {**JOB, "run__engine": "simulated", "run__workers": 8, "run__epochs": 3, "run__step_time": "5ms",
-             "network__bandwidth": "100Mbit", "network__latency": "5ms", "faults__churn__lifetime": "0.3s",
+             "network__bandwidth": "100Mbit", "network__latency": "5ms", "faults__churn__lifetime": "0.6s",
              "faults__churn__absence": "0.1s"}  # fmt: skip
+# (every member may leave, worker 0 too: a member leaves every 75 ms on average; faster, every member that holds the
+# run's state may be gone before a joiner is healed, and the run cannot go on)
 
 
 def _healed_records(run: Path) -> list[dict]:
@@ -93,8 +95,11 @@ def test_churn_in_the_simulated_engine_is_deterministic_by_seed(tmp_path, strate
     events, batch = summaries[0]["membership"], SIMULATED["run__batch_size"]
     steps = [e["step"] for e in events] + [summaries[0]["steps_per_worker"]]
     most = batch * sum(len(e["members"]) * (steps[i + 1] - steps[i]) for i, e in enumerate(events))
-    short = leaves * (strategy.get("strategy__period", 1) + 1) * batch
-    assert most - short <= summaries[0]["samples"] <= most
+    round_ = (strategy.get("strategy__period", 1) + 1) * batch
+    short = leaves * round_
+    # (give or take one round: a member that died inside a membership round leaves its peers' counts of that round
+    # unequal, and any of them may write the summary now that worker 0 may die too)
+    assert most - short <= summaries[0]["samples"] <= most + round_
 
     report = build_report(runs[:1], tmp_path / "report" / "report.html").read_text()
     assert "Workers in the run vs wall time (live membership)" in report
@@ -115,4 +120,4 @@ def test_fast_predict_prices_a_catch_up_as_a_run_sends_it(tmp_path):
     price = price_catch_up(config, model, dataset, link)
     assert price.nbytes == pytest.approx(measured, rel=0.05)
     assert price.seconds == pytest.approx(0.005 + price.nbytes / link.bandwidth_Bps)
-    assert price.joins_per_s == pytest.approx(7 / 0.4)
+    assert price.joins_per_s == pytest.approx(8 / 0.7)  # (every member may leave, worker 0 too)

@@ -162,6 +162,53 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 
 
+@pytest.mark.parametrize(
+    "strategy",
+    [{"strategy.name": "sync"}, {"strategy.name": "local-sgd", "strategy.period": 4}],
+    ids=["sync", "local-sgd"],
+)
+def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_orphans, strategy):
+    """Any member may die, worker 0 too: the run goes on, takes a joiner, and member 1 (the lowest live one) evaluates
+    and writes the whole run folder, worker 0's records and the changes of membership included."""
+    run = tmp_path / "run"
+    proc = _start(run, {"run.workers": 3, "run.max_time": "300s", **strategy})  # ended by fast stop
+    try:
+        _wait_for_step(run, 20, proc)
+        _worker(proc.pid, 0).send_signal(signal.SIGKILL)
+        env = {**os.environ, "FAST_PROGRESS": "0"}
+        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
+        joiner_err = _stop_once_joined(run, joining, run, 3)
+        assert joining.returncode == 0, joiner_err
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2], [1, 2], [1, 2, 3]], events
+    assert events[1]["left"] == [{"member": 0, "how": "killed"}] and events[2]["joined"] == [3]
+    (healed,) = _healed(run, 3)
+    assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] in (1, 2)
+    assert summary["written_by"] == 1 and summary["workers_at_end"] == 3
+    # the run folder is whole: every member's records (worker 0's from its own file), the model, the summary
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["worker"] for r in records} == {0, 1, 2, 3}
+    assert summary["steps_per_worker"] > _steps(run, 0) >= 20
+    # accuracy as a run without the failure has it (digits, an MLP: above 0.9 within a few hundred steps)
+    assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
+    parts = resolve(run / "config.toml")
+    train, test = load_data(parts.data)
+    model = make_model(parts.model, train)
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))  # the model the summary evaluated
+    x, y = test.tensors
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(summary["final_test_accuracy"], abs=1e-6)
+    assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
+
+
 def test_async_workers_join_and_leave_alone_on_their_lines_to_the_servers(tmp_path, no_orphans):
     """async-ps: no member waits for another; a killed worker fails its own line, a joiner catches up from the
     servers, and the work queue hands out every batch once (but the one the killed worker held)."""

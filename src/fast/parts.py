@@ -135,7 +135,7 @@ class Deployment:
     restarts: int  # run.max_restarts, under torch's agent
     live: bool  # live membership (fast.runtime.membership)
     churn: bool  # [faults] churn drives it
-    survivable: bool  # the run goes on when a worker but worker 0 dies
+    survivable: bool  # the run goes on when a worker but worker 0 dies (in a live run, any worker)
 
     @property
     def processes(self) -> int:

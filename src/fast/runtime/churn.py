@@ -1,9 +1,11 @@
 """`[faults] churn`: workers of a live run leave and come back at random, driven by its launcher.
 
-Each member but worker 0 stays an exponential time of mean `lifetime`, then is told to leave (through the
-membership's store: it kills itself, as a crash, or stops on SIGTERM, as a clean leave). After an exponential
-absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like any
-joiner. The draws are seeded by `run.seed`; times count from the start of training (the first group formed).
+Each member, worker 0 included, stays an exponential time of mean `lifetime`, then is told to leave (through the
+membership's store: it kills itself, as a crash, or stops on SIGTERM, as a clean leave); the lowest live member
+then does worker 0's duties (fast.runtime.live); a detached run's worker 0 gathers its end, and stays. The last
+member stays too (with none, nobody would hold the run's state): its stay is drawn again. After an
+exponential absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like
+any joiner. The draws are seeded by `run.seed`; times count from the start of training (the first group formed).
 """
 
 from __future__ import annotations
@@ -63,10 +65,14 @@ class ChurnDriver:
         while not self._closing.wait(0.1):
             now = time.monotonic()
             for member in self.coordinator.members:
-                if member and member not in self.leaves:
+                if (member or not self.coordinator.needs_worker_0) and member not in self.leaves:
                     self.leaves[member] = now + self.draws.lifetime()
             for member, at in list(self.leaves.items()):
                 if at <= now and at != float("inf") and member in self.coordinator.members:
+                    staying = [m for m in self.coordinator.members if self.leaves.get(m) != float("inf")]
+                    if len(staying) <= 1:  # the last member holds the run's state: it stays, drawn again
+                        self.leaves[member] = now + self.draws.lifetime()
+                        continue
                     self.coordinator.evict(member, self.draws.how)
                     self.leaves[member] = float("inf")
                     self.returns.append(now + self.draws.absence())

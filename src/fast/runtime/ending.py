@@ -1,4 +1,5 @@
-"""The end of a run: every process's figures go to worker 0, which writes metrics.jsonl, model.pt and summary.json.
+"""The end of a run: every process's figures go to worker 0, which writes metrics.jsonl, model.pt and summary.json
+(in a live run, the member that does worker 0's duties: the lowest live one, fast.runtime.live).
 
 Under a strategy whose workers need each other, the end is collective: the final model (`final_model`), its
 evaluation, and an all-gather of every process's figures. Under one that `survives_failures`, a collective
@@ -302,7 +303,15 @@ class Ending:
         if not self.is_main:
             return None
         everyone = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
-        return write_outputs(self.run_dir, everyone, whole, self._summarize(everyone))
+        if not self.live:
+            return write_outputs(self.run_dir, everyone, whole, self._summarize(everyone))
+        # a live run's members gone by its end: their records too, and the evaluations of those that did worker 0's
+        # duties before this one (the summary's changes of membership are the store's: fast.runtime.live)
+        departed = self._departed_records(everyone)
+        self._add_evaluations([r for r in departed if r.get("kind") == "eval"])
+        summary = write_outputs(self.run_dir, [*everyone, {"records": departed}], whole, self._summarize(everyone))
+        self.member.wrote()
+        return summary
 
     def _gather_from_survivors(self) -> dict[str, Any] | None:
         """Every live process: hand the run's end to worker 0 (which returns the summary; the others None). On the
@@ -426,12 +435,48 @@ class Ending:
         return {"rank": self.rank, "counter": world.counter.snapshot() if world is not None else None,
                 "samples": driver.samples if driver is not None else 0}  # fmt: skip
 
+    def _changes(self) -> list[dict[str, Any]]:
+        """A live run's changes of membership, as the summary lists them (kept by the store: fast.runtime.live; a
+        detached run's by its worker 0)."""
+        return self.membership if self.detached else self.member.changes()
+
+    def _departed(self, present: list[dict[str, Any]]) -> list[int]:
+        """The members of a live run that were gone by its end."""
+        ever = {m for event in self._changes() for m in event["members"]}
+        return sorted(ever - {p["rank"] for p in present})
+
     def _figures_of_departed(self, present: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The figures of the members of a live run that were gone by its end, as of their last heartbeat."""
-        ever = {m for event in self.membership for m in event["members"]}
-        gone = sorted(ever - {p["rank"] for p in present})
-        figures = [self.member.figures_of(member) for member in gone]
+        figures = [self.member.figures_of(member) for member in self._departed(present)]
         return [f for f in figures if f is not None and f["counter"] is not None]
+
+    def _departed_records(self, present: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The records of the members of a live run gone by its end, from their files in the run folder (a member
+        that ran on this machine streamed them there as it went; one elsewhere left none here); a line its death
+        cut short is skipped."""
+        found = []
+        for member in self._departed(present):
+            try:
+                lines = (self.run_dir / "workers" / f"metrics-{member}.jsonl").read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("worker") == member and "time_s" in record:
+                    found.append(record)
+        return found
+
+    def _add_evaluations(self, records: list[dict[str, Any]]) -> None:
+        """The evaluations of those that did worker 0's duties before this member (their "eval" records), before
+        this one's own, in the order of their steps."""
+        own = {e["step"] for e in self.records.evals}
+        earlier = [{"step": r["step"], "time_s": r["time_s"],
+                    **{k: v for k, v in r.items() if k.startswith("test_") or k == "divergence"}}
+                   for r in records if "step" in r and r["step"] not in own]  # fmt: skip
+        self.records.evals = sorted(earlier, key=lambda e: e["step"]) + self.records.evals
 
     def _summarize(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
         config, run = self.config, self.config.run
@@ -536,10 +581,12 @@ class Ending:
         if run.shards > 1:  # each worker a replica of this many processes (fast.runtime.sharded)
             summary["shards"] = run.shards
         if self.live:
-            summary["membership"] = self.membership
+            changes = self._changes()
+            summary["membership"] = changes
             summary["workers_at_end"] = self.workers
+            summary["written_by"] = self.rank  # the member that did worker 0's duties at the end (fast.runtime.live)
             # (the first generation's are the founders' first weights, not a catch-up)
-            summary["catch_up_bytes"] = sum(event["catch_up_bytes"] for event in self.membership[1:])
+            summary["catch_up_bytes"] = sum(event["catch_up_bytes"] for event in changes[1:])
         for name in metric_names:
             if name not in ("accuracy", "loss"):
                 summary[f"final_test_{name}"] = final.get(f"test_{name}")

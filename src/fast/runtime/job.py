@@ -242,7 +242,6 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         founder = os.environ.get("FAST_JOINING") != "1"
         self.is_server = self.rank >= self.worker_processes and (not self.live or (self.detached and founder))
         self.is_worker = not self.is_server
-        self.is_main = self.rank == 0
         self.finished = False
         strategy_name = config.strategy.name
         servers = self.world_size - self.worker_processes
@@ -377,6 +376,16 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         process, its replica group too (the strategy's)."""
         own = [self.world] if self.comm is self.world else [self.world, self.comm]
         return own if getattr(self, "groups", None) is None else [*own, self.groups.replicate]
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process does worker 0's duties: evaluations, the outputs and the summary, the end of the run.
+        Worker 0's; in a live run, the first member of the generation this member is in (the lowest live id), so
+        that they pass on when worker 0 dies (fast.runtime.live). A detached run's stay worker 0's."""
+        generation = getattr(self, "generation", None)
+        if generation is None or not self.live or self.detached:
+            return self.rank == 0
+        return generation.members[0] == self.rank
 
     @property
     def worker_processes(self) -> int:

@@ -6,7 +6,9 @@ are stopped and the first failure's one-line message is raised. Ctrl-C, SIGTERM 
 every child and ends the run with the signal's exit code (130, 143, 129); children die with the launcher however
 it ends, SIGKILL included (fast.runtime.lifeline), so no orphan and no scratch file is left. With
 `survivable=True` (strategies that survive failures) only rank 0's failure stops the run: the others may die and
-the survivors go on.
+the survivors go on. A live run's launcher (`goes_on`, its membership's judgement) lets any process die, rank 0
+included: the lowest live member takes over its duties (fast.runtime.live), and the run ends well when the
+membership says its outputs were written, by whichever member.
 """
 
 from __future__ import annotations
@@ -199,13 +201,16 @@ def launch(
     extra_env: dict[str, str] | None = None,
     survivable: bool = False,
     on_exit: Callable[[int, int | None], None] | None = None,
+    goes_on: Callable[[], bool] | None = None,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
     With `survivable`, a rank other than 0 that dies or fails is left out of the returned values and the
     others are not stopped; rank 0 (which writes the outputs) must end well. `on_exit(rank, exit code)` is told
     of each process as it ends (a live membership's coordinator); it returns True for a process that was told to
-    go (churn), which is then never named as the run's failure."""
+    go (churn), which is then never named as the run's failure. With `goes_on` (a live run's), no rank is needed:
+    once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
+    started) and says whether its outputs were written; if so the run ended well, whoever died."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -213,6 +218,7 @@ def launch(
     exited: dict[int, int] = {}  # processes that ended by themselves, with their exit codes
     told_to_go: set[int] = set()
     interrupt: KeyboardInterrupt | None = None
+    written: bool | None = None
     try:
         ctx = _context()
         store = scratch_folder(scratch)
@@ -262,17 +268,20 @@ def launch(
                 exited[rank] = proc.exitcode
                 if on_exit is not None and on_exit(rank, proc.exitcode):
                     told_to_go.add(rank)
-                fatal = not survivable or rank == 0
+                fatal = not survivable or (rank == 0 and goes_on is None)
+                # the process that wrote the outputs: rank 0; a live run's, the member that did its duties
+                wrote = rank == 0 if goes_on is None else isinstance(_receive_now(results, outputs).get(rank), dict)
                 if proc.exitcode != 0 and fatal and settle_until is None:
                     settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
-                elif survivable and rank == 0 and proc.exitcode == 0 and settle_until is None:
-                    # rank 0 wrote the outputs and released the survivors; those it gave up (dead, or frozen:
-                    # alive but not answering) are stopped now, any other after the grace period
+                elif survivable and wrote and proc.exitcode == 0 and settle_until is None:
+                    # rank 0 (a live run's: the member that wrote its outputs) released the survivors; those it gave
+                    # up (dead, or frozen: alive but not answering) are stopped now, any other after the grace period
                     outputs.update(_drain(results))
-                    for lost in _given_up(outputs.get(0), len(procs)):
+                    for lost in _given_up(outputs.get(rank), len(procs)):
                         _stop([procs[lost]], grace_s=0.0)
                     settle_until = time.monotonic() + SURVIVOR_GRACE_S
         outputs.update(_drain(results))
+        written = goes_on() if goes_on is not None else None  # (pending only once the outputs are written)
     except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: SIGTERM or SIGHUP
         interrupt = e
     finally:
@@ -283,11 +292,14 @@ def launch(
             reader.close()
     if interrupt is not None:
         raise interrupted(interrupt) from None
-    if survivable and not isinstance(outputs.get(0), Failure) and exited.get(0) == 0:
+    ended_well = written if goes_on is not None else not isinstance(outputs.get(0), Failure) and exited.get(0) == 0
+    if survivable and ended_well:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, {rank: code for rank, code in exited.items() if rank not in told_to_go})
     if failure is not None:
         raise WorkerFailed(failure.message, failure.exit_code, failure.traceback)
+    if goes_on is not None:  # every member went (as told) before one wrote the outputs
+        raise WorkerFailed("no member was left to write the run's outputs: the run cannot go on")
     return outputs
 
 
@@ -479,6 +491,12 @@ def _receive(results: dict[Any, int], reader: Any) -> dict[int, Any]:
         return {}
     finally:
         reader.close()
+
+
+def _receive_now(results: dict[Any, int], outputs: dict[int, Any]) -> dict[int, Any]:
+    """`outputs`, with what the processes have sent since added to it."""
+    outputs.update(_drain(results))
+    return outputs
 
 
 def _drain(results: dict[Any, int]) -> dict[int, Any]:

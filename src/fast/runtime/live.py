@@ -2,6 +2,11 @@
 strategy's change points, survives a step a lost peer broke, and heals from a live peer (a part of
 fast.runtime.job.Job).
 
+Member 0 is the first of a generation's members, the lowest live id (ids only grow: a joiner's is new): it does
+worker 0's duties for that generation (evaluations, the outputs and the summary, the end of the run; `Job.is_main`).
+When it dies, the next generation's first member takes them over at that generation's boundary: the changes of
+membership it notes are kept by the launcher's store, not in its memory, so nothing of the run's record is lost.
+
 Before each step (in the loader, before its batch is chosen, or at the step's first forward) the members take one
 round together: member 0 reads whether the coordinator (fast.runtime.membership) has published a newer generation,
 and every member learns it at the same step. They then leave their group, form the new one, and heal: member 0,
@@ -70,9 +75,9 @@ class Live:
             self.member = Member(Access.from_environment(), self.rank, deadline_s)
             self.joining = os.environ.get("FAST_JOINING") == "1"
         self.generation: Generation | None = None
-        self.membership: list[dict[str, Any]] = []  # member 0's record of each change (summary.json)
         self._boundary_at = -1  # the step whose membership round is done
-        self._closed = False  # (worker 0) closed to joiners
+        self._closed = False  # (the member that does worker 0's duties) closed to joiners
+        self._holds_state = not self.joining  # a founder's first weights are the run's; a joiner's are nothing yet
         self.data_epoch, self.data_cursor = 0, 0
         # what the members trained on, as each reported it at the next boundary (run.max_samples, the summary's)
         self.samples_trained, self._samples_reported = 0, 0
@@ -93,12 +98,12 @@ class Live:
         """Form the group of the newest generation this member is in (retrying while generations change)."""
         after = -1 if self.generation is None else self.generation.number
         while True:
-            self._close_if_ending()
             newest = self.member.newest()
             if newest > after:
                 generation = self.member.generation(newest)
             else:
                 generation = self.member.wait_for(after)
+            self._close_if_ending(generation)
             if generation.failed:
                 raise RunEnded(generation.failed)
             if self.rank not in generation.members:
@@ -115,10 +120,11 @@ class Live:
             except CommError:
                 self.member.suspect(generation.number)
 
-    def _close_if_ending(self) -> None:
-        """Worker 0, its run.max_time spent (or `fast stop` asked) while the members re-form (churn faster than they
-        can take it): no more joiners nor churn, so that a last generation forms and the run ends at its boundary."""
-        if not self.is_main or self._closed:
+    def _close_if_ending(self, newest: Generation) -> None:
+        """The lowest member of the newest generation (who does worker 0's duties), its run.max_time spent (or `fast
+        stop` asked) while the members re-form (churn faster than they can take it): no more joiners nor churn, so
+        that a last generation forms and the run ends at its boundary."""
+        if self._closed or not newest.members or newest.members[0] != self.rank:
             return
         clock = getattr(self, "clock", None)
         if (clock is not None and self._budget_spent(clock.now())) or self.member.stopping():
@@ -262,17 +268,25 @@ class Live:
 
     def _heal(self, fresh: bool) -> None:
         """Collective over the new group: each member that is new (`fresh`) or whose step or shared state differs
-        from member 0's is sent a whole state by one that is not: the first by member 0, the next by the next such
-        member, and so on, so that several catch-ups go at once, from as many live peers (summary `membership`:
-        the catch-ups' bytes and seconds)."""
+        from the first member that holds the run's state (member 0, unless it is a joiner not healed yet: when
+        worker 0 died, the next may be one) is sent a whole state by one that is not: the first by that member, the
+        next by the next such member, and so on, so that several catch-ups go at once, from as many live peers
+        (summary `membership`: the catch-ups' bytes and seconds). Where no member holds the state any more (every
+        one that did died before the joiners were healed), the run cannot go on."""
         world, started, me = self.world, timing.now(), self.world.index()
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
+        new = 0 if not fresh else 1 if self._holds_state else 2  # (2: a joiner that holds nothing yet)
         with world.unmetered():
-            rows = control.gathered(world, torch.tensor([self.rank, self.step, int(fresh), shared], dtype=torch.int64))
-        # behind: fresh, or at another step or with other shared state than member 0 (a look at the rows at once: a
-        # member each, a thousand times over, would cost a simulated run a million looks)
-        late = (rows[:, 2] != 0) | (rows[:, 1::2] != rows[0, 1::2]).any(dim=1)
-        late[0] = False
+            rows = control.gathered(world, torch.tensor([self.rank, self.step, new, shared], dtype=torch.int64))
+        holders = (rows[:, 2] != 2).nonzero().flatten()
+        if not len(holders):
+            raise RunEnded("every member that held the run's state is gone, and its joiners were not healed yet: "
+                           "the run cannot go on")  # fmt: skip
+        first = int(holders[0])
+        # behind: fresh, or at another step or with other shared state than the first holder (a look at the rows at
+        # once: a member each, a thousand times over, would cost a simulated run a million looks)
+        late = (rows[:, 2] != 0) | (rows[:, 1::2] != rows[first, 1::2]).any(dim=1)
+        late[first] = False
         behind = late.nonzero().flatten().tolist()
         sources = (~late).nonzero().flatten().tolist()
         source_of = {member: sources[j % len(sources)] for j, member in enumerate(behind)}
@@ -296,6 +310,7 @@ class Live:
                 _, payload = world.recv_bytes(world.ranks[source_of[me]], limit=limit)
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load_state(state)
+            self._holds_state = True
             if self.generation.number:  # (generation 0: the founders' first weights)
                 self.records.add({"worker": self.rank, "kind": "healed", "step": self.step,
                                   "time_s": round(self.clock.now(), 4), "from": int(rows[source_of[me]][0]),
@@ -304,15 +319,15 @@ class Live:
         if behind:  # every catch-up is done: what each source sent
             with world.unmetered():
                 sent = int(control.gathered(world, torch.tensor([sent], dtype=torch.int64)).sum())
-        if me == 0 and self.is_main:
+        if me == 0:  # (who does worker 0's duties) notes the change where the next one to do them finds it
             generation = self.generation
             founders = {"generation": -1, "members": self.member.generation(0).members}
-            before = self.membership[-1] if self.membership else founders
+            before = next(iter(self.member.changes(last=True)), founders)
             # what changed since the last generation that formed (those in between were superseded)
             skipped = [self.member.generation(n) for n in range(before["generation"] + 1, generation.number + 1)]
             now, then = set(generation.members), set(before["members"])
             gone = [m for m in before["members"] if m not in now]
-            self.membership.append({
+            self.member.note_change({
                 "generation": generation.number,
                 "step": self.step,
                 "unix_time": timing.wall(),

@@ -84,10 +84,11 @@ class Generation:
         return cls(**json.loads(text))
 
 
-def why_it_ends(members: list[int], min_workers: int) -> str | None:
-    """Why a run whose members are `members` cannot go on, or None."""
-    if 0 not in members:
-        return "worker 0, which writes the run's outputs, is gone: the run cannot go on"
+def why_it_ends(members: list[int], min_workers: int, needs_worker_0: bool = False) -> str | None:
+    """Why a run whose members are `members` cannot go on, or None. Any member may go: the lowest live one does
+    worker 0's duties (fast.runtime.live); but a detached run's worker 0 gathers its end (`needs_worker_0`)."""
+    if needs_worker_0 and 0 not in members:
+        return "worker 0, which gathers a detached run's end, is gone: the run cannot go on"
     if len(members) < min_workers:
         return f"{len(members)} workers remain, fewer than run.min_workers = {min_workers}: the run cannot go on"
     return None
@@ -164,9 +165,9 @@ def config_difference(run: Config, joiner: Config) -> str | None:
 class Coordinator:
     """The run's membership, kept by its launcher: serves the store, admits joiners, publishes generations."""
 
-    def __init__(self, run_dir: Path, config: Config, addr: str, founders: int,
-                 first_joiner: int | None = None) -> None:  # fmt: skip
-        self.run_dir, self.config = run_dir, config
+    def __init__(self, run_dir: Path, config: Config, addr: str, founders: int, first_joiner: int | None = None,
+                 needs_worker_0: bool = False) -> None:  # fmt: skip
+        self.run_dir, self.config, self.needs_worker_0 = run_dir, config, needs_worker_0
         secret = secrets.token_bytes(32)
         self.server = RunStoreServer(addr, config.run.master_port or 0, secret)
         self.access = Access(addr, self.server.port, secret)
@@ -184,6 +185,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._started = False
+        self.writer: int | None = None  # the member that wrote the run's outputs, once wait_for_the_end saw it
         self._publish(self.generation)
         self._thread = threading.Thread(target=self._watch, name="fast-membership", daemon=True)
         self._thread.start()
@@ -211,6 +213,26 @@ class Coordinator:
         the run is closed or ending (its last collectives need every member: a crash then ends the run)."""
         if not _closed(self.store):
             self.store.set(PREFIX + f"evict/{member}", how)
+
+    def wait_for_the_end(self) -> bool:
+        """Once the launcher's own processes have ended: wait while the run goes on without them (members that
+        `fast join` started), until a member has written its outputs (True) or no member is left (False)."""
+        store = connect(self.access, 30.0)  # (the watch's connection is its thread's)
+        try:
+            while not self._closing.is_set():
+                written = read_key(store, "written")
+                if written is not None:
+                    self.writer = int(written) if written.isdigit() else None
+                    return True
+                generation = self.generation
+                ending = read_key(store, "ending") is not None  # (the watch publishes nothing more)
+                gone = {entry["member"] for entry in self._departures(store)}
+                if generation.failed or (all(m in gone for m in self.members) and (ending or not self.pending)):
+                    return False
+                time.sleep(POLL_S * 5)
+            return False
+        finally:
+            store.close()
 
     def close(self) -> None:
         self._closing.set()
@@ -244,7 +266,7 @@ class Coordinator:
         if read_key(self.store, "ending") is not None:
             return
         closed = read_key(self.store, "closed") is not None  # nobody comes in any more; departures still count
-        left = self._departures()
+        left = self._departures(self.store)
         if not closed:
             self.pending += self._admissions()
         # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
@@ -258,16 +280,17 @@ class Coordinator:
         gone = {entry["member"] for entry in left}
         members = [m for m in self.members if m not in gone] + joined
         self.members = members
-        failed = why_it_ends(members, self.config.run.min_workers)
+        failed = why_it_ends(members, self.config.run.min_workers, self.needs_worker_0)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
 
-    def _departures(self) -> list[dict[str, Any]]:
+    def _departures(self, store: Any) -> list[dict[str, Any]]:
+        """The members that have gone (as read through `store`): how each went."""
         now, left = time.time(), []
         with self._lock:
             exited = dict(self._exited)
         for member in self.members:
-            said = read_key(self.store, f"leave/{member}")
-            silent_s = now - beat_time(read_key(self.store, f"heartbeat/{member}"), now)
+            said = read_key(store, f"leave/{member}")
+            silent_s = now - beat_time(read_key(store, f"heartbeat/{member}"), now)
             if said is not None:
                 left.append({"member": member, "how": said.decode(errors="replace")[:200]})
             elif member in exited:
@@ -478,13 +501,38 @@ class Member:
             pass
         self.close()
 
+    def note_change(self, change: dict[str, Any]) -> None:
+        """The member that does worker 0's duties notes a change of membership as the run's summary lists it (kept
+        in the store, so that the next one to do them, if this one dies, has every change)."""
+        number = int(self.store.add(PREFIX + "changes", 1))
+        self.store.set(PREFIX + f"change/{number}", json.dumps(change))
+
+    def changes(self, last: bool = False) -> list[dict[str, Any]]:
+        """The changes noted so far, in order (`last`: only the newest); one that is not a change is skipped."""
+        count = _count(self.store, "changes")
+        found = []
+        for number in range(count, 0, -1) if last else range(1, count + 1):
+            try:
+                change = json.loads(read_key(self.store, f"change/{number}") or b"null")
+            except ValueError:
+                change = None
+            if isinstance(change, dict) and isinstance(change.get("members"), list):
+                found.append(change)
+                if last:
+                    break
+        return found
+
+    def wrote(self) -> None:
+        """The outputs are written (by this member): the launcher's run has ended well, whoever died."""
+        self.store.set(PREFIX + "written", str(self.id))
+
     def close_to_joiners(self) -> None:
-        """Worker 0 is out of time while the members re-form: nobody else comes in, churn stops (departures still
-        make new generations), so that the members can form one last time and end."""
+        """The member that does worker 0's duties is out of time while the members re-form: nobody else comes in,
+        churn stops (departures still make new generations), so that the members can form one last time and end."""
         self.store.set(PREFIX + "closed", "1")
 
     def ending(self) -> None:
-        """The run is ending (worker 0 says so): nobody else is admitted."""
+        """The run is ending (the member that does worker 0's duties says so): nobody else is admitted."""
         self.store.set(PREFIX + "ending", "1")
 
     def close(self) -> None:

@@ -26,8 +26,10 @@ from fast.runtime.simulated_membership import SimulatedMembership
 def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = (), *,
              survivable: bool = False) -> dict[int, Any]:  # fmt: skip
     """Run `fn(*args)` as each of `nprocs` simulated processes; returns each rank's return value, or raises
-    WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out). An
-    live run (`run.membership = "live"`) keeps its membership in the simulation (fast.runtime.simulated_membership)."""
+    WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out). A
+    live run (`run.membership = "live"`) keeps its membership in the simulation (fast.runtime.simulated_membership):
+    any member may go, worker 0 too, and the run ended well if a member wrote its outputs (a joiner's result is
+    returned with the founders')."""
     sim = Simulation()
     links = link_table(config, nprocs) if config.network is not None else ideal_links(nprocs)
     wire = start(sim, nprocs, links, config.run.seed)
@@ -41,13 +43,16 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
     threads = torch.get_num_threads()
     torch.set_num_threads(config.run.threads_per_worker or os.cpu_count() or 1)  # one process computes at a time
     workers = config.run.workers
+    membership = None
     try:
         tasks = [sim.spawn(lambda: fn(*args), f"worker {r}" if r < workers else f"server {r - workers + 1}",
                            rank=r, main=True) for r in range(nprocs)]  # fmt: skip
         if config.run.live:
-            membership = SimulatedMembership(
-                sim, wire, config, nprocs, lambda r: sim.spawn(lambda: fn(*args), f"worker {r}", rank=r, main=True)
-            )
+
+            def start_joiner(r: int) -> None:
+                tasks.append(sim.spawn(lambda: fn(*args), f"worker {r}", rank=r, main=True))
+
+            membership = SimulatedMembership(sim, wire, config, nprocs, start_joiner)
             sim.shared["membership"] = membership
             if config.faults is not None and config.faults.churn is not None:
                 sim.spawn(membership.churn, "churn")
@@ -59,8 +64,8 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
     finally:
         torch.set_num_threads(threads)
     outputs: dict[int, Any] = {}
-    for rank, task in enumerate(tasks):
-        error = task.error
+    for task in tasks:
+        rank, error = task.rank, task.error
         if _ended_well(error):
             outputs[rank] = task.result
         elif isinstance(error, Crashed):
@@ -68,8 +73,11 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
         else:
             outputs[rank] = failure_of(error, task.traceback) if not isinstance(error, SystemExit) else Failure(
                 f"exited with code {error.code}", error.code if isinstance(error.code, int) else 1)  # fmt: skip
-    first_ok = not isinstance(outputs.get(0), Failure) and tasks[0].done and deadlock is None
-    if survivable and first_ok:
+    if membership is not None:  # whoever wrote the outputs
+        ended_well = membership.written and deadlock is None
+    else:
+        ended_well = not isinstance(outputs.get(0), Failure) and tasks[0].done and deadlock is None
+    if survivable and ended_well:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, {})
     if failure is not None:

@@ -4,9 +4,10 @@ The same generations as fast.runtime.membership, kept in the simulation's memory
 fast.runtime.live runs unchanged on them. A member that leaves is out of the next generation at once (as a local
 process's exit is seen at once), a joiner once its task is up; members wait by parking their task, and a new
 generation wakes them. A generation's group is a simulated group over its members' ids, which are also their
-places on the wire. Churn is a task of the simulation: each member but worker 0 stays an exponential time, its
-tasks then end as a crashed machine's do, and after an exponential absence a new worker (a new id) joins and is
-healed from a live peer, all drawn from `run.seed` as a real run's churn is, from the start of training.
+places on the wire. Churn is a task of the simulation: each member, worker 0 included, stays an exponential time (the
+lowest live member then does worker 0's duties, as in a real run; the last member stays, drawn again), its tasks
+then end as a crashed machine's do, and after an exponential absence a new worker (a new id) joins and is healed
+from a live peer, all drawn from `run.seed` as a real run's churn is, from the start of training.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class SimulatedMembership:
         self.ending = False
         self.closed = False  # to joiners and churn (worker 0 out of time while the members re-form)
         self.figures: dict[int, Callable[[], dict[str, Any]]] = {}  # each member's, read at the end
+        self.changes: list[dict[str, Any]] = []  # as the summary lists them (fast.runtime.live)
+        self.written = False  # a member has written the run's outputs
         self._waiting: list[Any] = []
 
     @property
@@ -108,14 +111,16 @@ class SimulatedMembership:
             if self.newest.number != seen:
                 seen = self.newest.number
                 for member in self.newest.members:
-                    if member and member not in drawn:
+                    if member not in drawn:
                         drawn.add(member)
                         heapq.heappush(leaves, (now + draws.lifetime(), member))
             due = []
             while leaves and leaves[0][0] <= now:
                 due.append(heapq.heappop(leaves)[1])
             for member in sorted(due):  # (in the order of their ids, as a real run's driver takes them)
-                if member in self.newest.members:
+                if member in self.newest.members and len(self.newest.members) <= 1:  # the last one stays (a real
+                    heapq.heappush(leaves, (now + draws.lifetime(), member))  # run's churn's rule), drawn again
+                elif member in self.newest.members:
                     self.evict(member, draws.how)
                     returns.append(now + draws.absence())
             for at in [at for at in returns if at <= now]:
@@ -191,6 +196,15 @@ class SimulatedMember:
 
     def leave(self, how: str) -> None:
         self.membership.publish(left=[{"member": self.id, "how": how}])
+
+    def note_change(self, change: dict[str, Any]) -> None:
+        self.membership.changes.append(change)
+
+    def changes(self, last: bool = False) -> list[dict[str, Any]]:
+        return self.membership.changes[-1:] if last else list(self.membership.changes)
+
+    def wrote(self) -> None:
+        self.membership.written = True
 
     def close_to_joiners(self) -> None:
         self.membership.closed = True

@@ -200,8 +200,8 @@ def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Lin
     """A joiner's catch-up: the bytes of the state a live peer sends it (the weights and the optimizer's state
     after a step, as saved, and the strategy's own: `Strategy.catch_up_copies`; a strategy that `joins_alone`: the
     weights its servers send), over the slowest link; with
-    `[faults] churn`, a joiner every (lifetime + absence) / (workers - 1) seconds once the run is in its stride
-    (each member but worker 0 stays a lifetime, then its place is empty for an absence)."""
+    `[faults] churn`, a joiner every (lifetime + absence) / workers seconds once the run is in its stride (each
+    member stays a lifetime, then its place is empty for an absence; a detached run's worker 0 stays: workers - 1)."""
     from fast.jobs.code import cross_entropy_step
     from fast.optim import build_optimizer
     from fast.strategies import strategy_for
@@ -221,7 +221,7 @@ def price_catch_up(config: Config, model: nn.Module, dataset: Dataset, link: Lin
     joins_per_s = 0.0
     if churn is not None and config.run.workers > 1:
         cycle_s = parse_duration(churn.lifetime) + parse_duration(churn.absence)
-        joins_per_s = (config.run.workers - 1) / cycle_s
+        joins_per_s = (config.run.workers - strategy.joins_alone) / cycle_s
     return CatchUp(nbytes, link.latency_s + nbytes / link.bandwidth_Bps, joins_per_s)
 
 

@@ -89,15 +89,23 @@ def _start(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args:
 
 def _launch_live(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args: tuple, addr: str,
                  threads: int, extra_env: dict[str, str] | None) -> dict:  # fmt: skip
-    """A live run: this launcher keeps its membership (fast.runtime.membership) while its founders train;
-    any founder but worker 0 may die, and others join with `fast join`. (A detached strategy's servers take the
-    ids after the workers': fast.runtime.detached.)"""
-    coordinator = Coordinator(run_dir, config, addr, deployment.workers, first_joiner=deployment.processes)
+    """A live run: this launcher keeps its membership (fast.runtime.membership) while its founders train; any
+    founder may die, worker 0 too (the lowest live member does its duties), others join with `fast join`, and the
+    run goes on while a member is left, until one writes its outputs. (A detached strategy's servers take the ids
+    after the workers', and its worker 0 must stay: fast.runtime.detached.)"""
+    needs_worker_0 = strategy_for(config).joins_alone
+    coordinator = Coordinator(run_dir, config, addr, deployment.workers, first_joiner=deployment.processes,
+                              needs_worker_0=needs_worker_0)  # fmt: skip
     churn = ChurnDriver(run_dir, config, coordinator) if deployment.churn else None
     try:
-        return launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
-                      survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
-                      on_exit=coordinator.exited)  # fmt: skip
+        outputs = launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
+                         survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
+                         on_exit=coordinator.exited,
+                         goes_on=None if needs_worker_0 else coordinator.wait_for_the_end)  # fmt: skip
+        writer, summary = coordinator.writer, run_dir / "summary.json"
+        if writer is not None and writer not in outputs and summary.is_file():  # a joiner's (`fast join`'s) process
+            outputs[writer] = json.loads(summary.read_text())
+        return outputs
     finally:
         if churn is not None:
             churn.close()
@@ -141,7 +149,8 @@ def train(
         outputs = _start(train_worker, parts.config, parts.deployment, run_dir, (parts, run_dir, resume is not None))
     finally:
         release(run_dir)
-    summary = outputs.get(0) or {}  # (another torchrun rank's is empty)
+    # worker 0's, or the member's that did its duties in a live run (another torchrun rank's is empty)
+    summary = next((value for _, value in sorted(outputs.items()) if isinstance(value, dict) and value), {})
     if summary:
         summary["run_dir"] = str(run_dir)
     return summary
