@@ -18,7 +18,7 @@ peak memory is its own.
 - `churn`: at the largest worker count, live `sync` and `local-sgd` (period 4; `--churn-strategies` may add `diloco`,
   period 4, or `gossip`), each for `--churn-time` virtual seconds (`run.max_time`), without churn and with `[faults]
   churn` at the failure rate of bench/churn.py: a failure of the run every `--failure-every` virtual seconds on
-  average (each worker but worker 0 stays an exponential time of mean that times the workers that may leave), each
+  average (each worker, worker 0 too, stays an exponential time of mean that times the workers; never the last), each
   leaver replaced by a new worker after an exponential absence of mean `--absence`. Goodput, as the issue defines it:
   samples trained per member-second present, churned over steady. A member is present while it is in a formed
   generation (from the generation's forming to the next one's): a leaver counts until the members re-form without it
@@ -200,7 +200,7 @@ def scale(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def churn(args: argparse.Namespace) -> list[dict[str, Any]]:
     workers, every = max(args.workers), args.failure_every
-    lifetime = every * (workers - 1)  # (worker 0 stays): the run loses a member every `every` seconds on average
+    lifetime = every * workers  # the run loses a member every `every` seconds on average
     print(f"\nchurn at {workers} workers: a failure every {every:g} virtual s on average (each worker's mean stay "
           f"{lifetime:g} s), mean absence {args.absence:g} s, {args.churn_time:g} virtual s of training per run\n",
           flush=True)  # fmt: skip
