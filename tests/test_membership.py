@@ -100,18 +100,19 @@ def _healed(run: Path, member: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == "healed"]
 
 
-def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int, joiner: int,
-                        while_joining: Any = None) -> dict:  # fmt: skip
-    """A run of 4 workers: worker 2 killed (SIGKILL) at step `killed_at` of worker 0, a new worker started with
-    `fast join` at `joined_at`, the run ended with `fast stop` once the joiner (member `joiner`) has trained; its
-    summary."""
-    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", **options})  # ended by fast stop
+def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int | None, joiner: int,
+                        while_joining: Any = None, workers: int = 4, killed: int = 2) -> dict:  # fmt: skip
+    """A run of `workers` workers: worker `killed` killed (SIGKILL) at step `killed_at` of worker 0, a new worker
+    started with `fast join` at `joined_at` (None: at once), the run ended with `fast stop` once the joiner (member
+    `joiner`) has trained; its summary."""
+    proc = _start(run, {"run.workers": workers, "run.max_time": "300s", **options})  # ended by fast stop
     try:
         _wait_for_step(run, killed_at, proc)
         sockets = listening(proc.pid)  # every process of a local run, the launcher's store included, on loopback
         assert sockets and all(address in ("127.0.0.1", "::1") for _, address, _ in sockets), sockets
-        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
-        _wait_for_step(run, joined_at, proc)
+        _worker(proc.pid, killed).send_signal(signal.SIGKILL)
+        if joined_at is not None:
+            _wait_for_step(run, joined_at, proc)
         env = {**os.environ, "FAST_PROGRESS": "0"}
         joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
         if while_joining is not None:  # (the joiner takes a few seconds to start)
@@ -171,21 +172,7 @@ def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_
     """Any member may die, worker 0 too: the run goes on, takes a joiner, and member 1 (the lowest live one) evaluates
     and writes the whole run folder, worker 0's records and the changes of membership included."""
     run = tmp_path / "run"
-    proc = _start(run, {"run.workers": 3, "run.max_time": "300s", **strategy})  # ended by fast stop
-    try:
-        _wait_for_step(run, 20, proc)
-        _worker(proc.pid, 0).send_signal(signal.SIGKILL)
-        env = {**os.environ, "FAST_PROGRESS": "0"}
-        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
-        joiner_err = _stop_once_joined(run, joining, run, 3)
-        assert joining.returncode == 0, joiner_err
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    summary = json.loads((run / "summary.json").read_text())
+    summary = _kill_one_then_join(run, strategy, 20, None, 3, workers=3, killed=0)
     events = summary["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2], [1, 2], [1, 2, 3]], events
     assert events[1]["left"] == [{"member": 0, "how": "killed"}] and events[2]["joined"] == [3]
