@@ -196,6 +196,43 @@ def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 
 
+def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orphans):
+    """`fast join --standby` gets ready (imports, config, a warm fork server) and says so; given a line, it is
+    admitted, healed and trains its first step within seconds (bounded generously here: 2 busy cores; the churn
+    bench measures it); a standby whose input ends leaves without joining."""
+    run = tmp_path / "run"
+    proc = _start(run, {"run.workers": 2, "run.max_time": "300s"})  # ended by fast stop
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    try:
+        _wait_for_step(run, 5, proc)
+        standby = [FAST, "join", str(run), "--standby"]
+        unused = subprocess.Popen(standby, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        out, _ = unused.communicate("", timeout=120)
+        assert unused.returncode == 0 and "never joined" in out, out
+        joiner = subprocess.Popen(standby, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env)  # fmt: skip
+        assert "standby joiner ready" in joiner.stdout.readline()
+        joiner.stdin.write("join\n")
+        joiner.stdin.close()
+        asked = time.monotonic()
+        while _steps(run, 2) < 1:
+            assert joiner.poll() is None, joiner.communicate()
+            time.sleep(0.02)
+        took_part_s = time.monotonic() - asked
+        assert took_part_s < 30, took_part_s
+        print(f"a standby joiner trained its first step {took_part_s:.2f} s after its line")
+        _stop_once_joined(run, joiner, run, 2)
+        assert joiner.returncode == 0
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0
+    (healed,) = _healed(run, 2)
+    assert healed["fingerprint"] == healed["source_fingerprint"]
+
+
 def test_async_workers_join_and_leave_alone_on_their_lines_to_the_servers(tmp_path, no_orphans):
     """async-ps: no member waits for another; a killed worker fails its own line, a joiner catches up from the
     servers, and the work queue hands out every batch once (but the one the killed worker held)."""

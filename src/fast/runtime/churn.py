@@ -5,11 +5,14 @@ membership's store: it kills itself, as a crash, or stops on SIGTERM, as a clean
 then does worker 0's duties (fast.runtime.live); a detached run's worker 0 gathers its end, and stays. The last
 member stays too (with none, nobody would hold the run's state): its stay is drawn again. After an
 exponential absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like
-any joiner. The draws are seeded by `run.seed`; times count from the start of training (the first group formed).
+any joiner. The new worker is warm: the driver keeps a standby joiner ready (`fast join --standby`: imported, its
+config read, its fork server warm) and gives it its line; a new standby gets ready meanwhile. The draws are seeded by
+`run.seed`; times count from the start of training (the first group formed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -54,11 +57,13 @@ class ChurnDriver:
         self.leaves: dict[int, float] = {}  # member -> when it is told to leave
         self.returns: list[float] = []  # when a new worker comes in
         self.joiners: list[subprocess.Popen] = []
+        self.standby: subprocess.Popen | None = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fast-churn", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        self.standby = self._standby()
         while not self.coordinator.started():  # times count from the start of training
             if self._closing.wait(0.1):
                 return
@@ -80,16 +85,29 @@ class ChurnDriver:
                 self.returns.remove(at)
                 self._bring_one_in()
 
-    def _bring_one_in(self) -> None:
+    def _standby(self) -> subprocess.Popen:
+        """A joiner that gets ready now and joins when it is given a line (`fast join --standby`)."""
         env = {**os.environ, "FAST_PROGRESS": "0"}
-        command = [sys.executable, "-m", "fast", "join", str(self.run_dir)]
+        command = [sys.executable, "-m", "fast", "join", str(self.run_dir), "--standby"]
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        self.joiners.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_launcher, **quiet))
+        return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, preexec_fn=_die_with_launcher, **quiet)
+
+    def _bring_one_in(self) -> None:
+        """The standby joins (if it died getting ready, a new one does: cold), and a new standby gets ready."""
+        joiner = self.standby if self.standby is not None and self.standby.poll() is None else self._standby()
+        self.standby = self._standby()
+        with contextlib.suppress(BrokenPipeError):  # (it died since the look: lost, as a joiner that fails to start)
+            joiner.stdin.write(b"join\n")
+            joiner.stdin.close()
+        self.joiners.append(joiner)
 
     def close(self) -> None:
         """Stop making changes; the joiners still running end with the run (SIGTERM after a grace period)."""
         self._closing.set()
         self._thread.join(timeout=5)
+        if self.standby is not None:  # its input ends: it leaves without joining
+            self.standby.stdin.close()
+            self.joiners.append(self.standby)
         deadline = time.monotonic() + 10
         for joiner in self.joiners:
             try:

@@ -153,6 +153,18 @@ def _context() -> Any:
     return ctx
 
 
+def _ready() -> None:
+    """(a process forked to find the fork server ready)"""
+
+
+def warm_up() -> None:
+    """Start the fork server now and wait until it has imported what it preloads, so that a launch later forks its
+    workers at once (a standby joiner, `fast join --standby`)."""
+    probe = _context().Process(target=_ready)
+    probe.start()
+    probe.join()
+
+
 _groups: list[int] = []  # the process groups of this launcher's helpers: the fork server's holds every worker
 
 

@@ -78,6 +78,7 @@ class Live:
         self._boundary_at = -1  # the step whose membership round is done
         self._closed = False  # (the member that does worker 0's duties) closed to joiners
         self._holds_state = not self.joining  # a founder's first weights are the run's; a joiner's are nothing yet
+        self._run_time_offset = 0.0  # the run's training time before this member's clock began (a joiner's, healed)
         self.data_epoch, self.data_cursor = 0, 0
         # what the members trained on, as each reported it at the next boundary (run.max_samples, the summary's)
         self.samples_trained, self._samples_reported = 0, 0
@@ -127,7 +128,7 @@ class Live:
         if self._closed or not newest.members or newest.members[0] != self.rank:
             return
         clock = getattr(self, "clock", None)
-        if (clock is not None and self._budget_spent(clock.now())) or self.member.stopping():
+        if (clock is not None and self._budget_spent(self._run_time(clock.now()))) or self.member.stopping():
             self.member.close_to_joiners()
             self._closed = True
 
@@ -176,7 +177,7 @@ class Live:
         while True:
             first = self.world.index() == 0
             newer = int(first and self.member.newest() > self.generation.number)
-            ending = int(self._budget_spent(self.trained_s) or (first and self.member.stopping()))
+            ending = int(self._budget_spent(self._run_time(self.trained_s)) or (first and self.member.stopping()))
             fresh = self.driver.samples - self._samples_reported
             try:
                 answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending, fresh], set())
@@ -193,10 +194,16 @@ class Live:
                 return
             self._regroup(failed=False)
 
-    def _budget_spent(self, trained_s: float) -> bool:
-        """Whether run.max_time (on this member's clock) or run.max_samples is reached."""
+    def _run_time(self, trained_s: float) -> float:
+        """The run's training time when this member's clock reads `trained_s`: a joiner's clock starts at its
+        start, and the run's time goes on from where its healer's stood (so churn that replaces every founder does
+        not push run.max_time back)."""
+        return self._run_time_offset + trained_s
+
+    def _budget_spent(self, run_time_s: float) -> bool:
+        """Whether run.max_time (on the run's clock) or run.max_samples is reached."""
         limit = self.config.run.max_time_s
-        return (limit is not None and trained_s >= limit) or self._samples_spent()
+        return (limit is not None and run_time_s >= limit) or self._samples_spent()
 
     def _samples_spent(self) -> bool:
         """Whether run.max_samples is reached (the same on every member after a boundary's round)."""
@@ -246,6 +253,7 @@ class Live:
             "step": self.step,
             "data": [self.data_epoch, self.data_cursor],
             "samples": self.samples_trained,
+            "run_time_s": self._run_time(self.clock.now()),
             "schedule": schedule,
             "strategy": self.strategy.state_dict(),
         }
@@ -256,6 +264,8 @@ class Live:
         self.driver.step = state["step"]
         self.data_epoch, self.data_cursor = state["data"]
         self.samples_trained = state["samples"]
+        # (trained_s: this member's clock at its last step; a joiner's clock starts from 0 once it is healed)
+        self._run_time_offset = state["run_time_s"] - self.trained_s
         if self.schedule is not None and state["schedule"] is not None:
             self.schedule.load_state_dict(state["schedule"])
         self._schedule_state = state["schedule"]

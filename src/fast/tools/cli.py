@@ -56,8 +56,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     from fast.tools.join import join
 
     member = join(args.run_dir, address=args.address, token_file=args.token_file, config=args.config, out=args.out,
-                  **_overrides(args.set))  # fmt: skip
-    print(f"fast: worker {member} trained with the run to its end")
+                  standby=args.standby, **_overrides(args.set))  # fmt: skip
+    if member is None:
+        print("fast: the standby joiner's input ended: it never joined")
+    else:
+        print(f"fast: worker {member} trained with the run to its end")
     return 0
 
 
@@ -168,6 +171,8 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--config", help="the run's config (default: the run folder's config.toml)")
     j.add_argument("--out", help="where this worker writes its metrics (default: the run folder)")
     j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    standby = "get ready (imports, config, a warm fork server), then join when a line comes on stdin"
+    j.add_argument("--standby", action="store_true", help=standby)
     j.set_defaults(func=cmd_join)
     st = sub.add_parser("stop", help="end a live run cleanly: fast stop RUN_DIR, or --address --token-file")
     st.add_argument("run_dir", nargs="?", help="the folder of a run of this machine")

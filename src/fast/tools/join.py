@@ -3,11 +3,17 @@ healed from a live peer (fast.runtime.live); it trains with the others to the en
 
     fast join RUN_DIR                                   a run of this machine: its address and secret are in RUN_DIR
     fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
+    fast join RUN_DIR --standby                         warm: ready now, it joins when a line comes on its stdin
+
+A standby joiner does everything that takes time before it asks to be admitted (the imports, the config, a fork
+server that has imported torch and the loop), so that it takes part within a second or two of its line: churn keeps
+one (fast.runtime.churn), and so may a user who wants a spare. End of input without a line: it leaves, unadmitted.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +21,7 @@ from fast.comm import bootstrap as engine
 from fast.errors import ConfigError
 from fast.jobs.loop import train_worker
 from fast.parts import resolve
-from fast.runtime.launch import launch
+from fast.runtime.launch import launch, warm_up
 from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
 
@@ -37,9 +43,11 @@ def join(
     token_file: str | Path | None = None,
     config: str | Path | None = None,
     out: str | Path | None = None,
+    standby: bool = False,
     **overrides: Any,
-) -> int:
-    """Join a running job and train with it to its end; returns this worker's member id."""
+) -> int | None:
+    """Join a running job and train with it to its end; returns this worker's member id (None: a standby joiner
+    whose input ended without a line, which never joined)."""
     if run_dir is not None:
         folder = Path(run_dir)
         found, secret_file = live_run("fast join", folder)
@@ -53,6 +61,11 @@ def join(
     if not job.run.live:
         raise ConfigError("fast join: the config is not a live run's (run.membership = 'fixed'): nothing can join it")
     access = Access.parse(address, read_secret("fast join", Path(token_file)))
+    if standby:
+        warm_up()
+        print("fast: standby joiner ready: a line on stdin joins the run", flush=True)
+        if not sys.stdin.readline():
+            return None
     member = request_admission(access, job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
     environment = {**access.environment(Path(token_file).resolve()), "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
