@@ -139,7 +139,10 @@ def test_a_strategy_that_cannot_take_shards_refuses_them_in_one_line(strategy):
     "keys, words",
     [
         ({"strategy__name": "diloco", "strategy__final_model": "best"}, "final_model = 'best'"),
-        ({"run__membership": "live"}, "run.membership = 'live'"),
+        (
+            {"run__membership": "live", "strategy__name": "streaming-diloco", "strategy__period": 4},
+            "run.membership = 'live' and this strategy",
+        ),  # (sync, local-sgd and diloco take it: test_sharded_membership)
         ({"run__engine": "simulated"}, 'run.engine = "simulated"'),
         ({"compute__slowdown": [1.0, 2.0]}, "[network], [compute] or [faults]"),
         ({"run__batch_size": 33}, "run.batch_size = 33 does not split"),

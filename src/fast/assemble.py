@@ -124,6 +124,9 @@ def check_membership(config: Config) -> None:
                           "starts with: raise it, or 0 for no limit")  # fmt: skip
 
 
+LIVE_SHARDED = ("sync", "local-sgd", "diloco")  # the strategies a live run's sharded replicas take
+
+
 def check_shards(config: Config) -> None:
     """ConfigError for a sharded run (`run.shards` > 1) its strategy, its options or its other keys cannot give
     sharded replicas, each naming why (fast.shards, docs/sharded.md)."""
@@ -144,9 +147,10 @@ def check_shards(config: Config) -> None:
             strategy.replicas_differ and options.final_model == "best",
             "a replica is scored by a forward of its own, and a sharded replica's strategy holds local shards only",
         ),
-        "run.membership = 'live'": (
-            run.live,
-            "a replica of K processes would have to join, leave and heal as one, which the membership does not do yet",
+        "run.membership = 'live' and this strategy": (
+            run.live and config.strategy.name not in LIVE_SHARDED,
+            f"a live run's replicas re-form and heal shard for shard with {', '.join(LIVE_SHARDED)} only (the others "
+            "are not made to carry their state across a re-form of a sharded replica yet)",
         ),
         'run.engine = "simulated"': (run.engine == "simulated", "FSDP2 shards over real process groups"),
         "[network], [compute] or [faults]": (

@@ -229,7 +229,8 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
             raise ConfigError("run.membership = 'live': start the run with `fast train` or `fast run`, whose launcher "
                               "keeps its membership (not torchrun, nor the script alone)")  # fmt: skip
         if self.live:
-            self.rank = self.rank if self.simulated else int(os.environ.get("FAST_MEMBER_ID", self.rank))
+            if not self.simulated and "FAST_MEMBER_ID" in os.environ:  # a joiner's: its replica's first id, + its shard
+                self.rank = int(os.environ["FAST_MEMBER_ID"]) + self.rank
             self.world_size = parts.deployment.processes
         expected = parts.deployment.processes
         if self.world_size != expected:

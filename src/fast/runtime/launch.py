@@ -214,6 +214,7 @@ def launch(
     survivable: bool = False,
     on_exit: Callable[[int, int | None], None] | None = None,
     goes_on: Callable[[], bool] | None = None,
+    together: int = 1,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
@@ -222,7 +223,9 @@ def launch(
     of each process as it ends (a live membership's coordinator); it returns True for a process that was told to
     go (churn), which is then never named as the run's failure. With `goes_on` (a live run's), no rank is needed:
     once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
-    started) and says whether its outputs were written; if so the run ended well, whoever died."""
+    started) and says whether its outputs were written; if so the run ended well, whoever died. With `together` = K,
+    the processes are replicas of K consecutive ranks (a sharded live run's, fast.runtime.sharded): when one of them
+    ends badly, the others of its replica, which cannot go on without it, are stopped at once."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -278,6 +281,9 @@ def launch(
                 rank, proc = pending.pop(ready)
                 proc.join()
                 exited[rank] = proc.exitcode
+                if together > 1 and proc.exitcode != 0:
+                    first = rank - rank % together
+                    _stop([procs[r] for r in range(first, min(first + together, len(procs))) if r != rank], 0.0)
                 if on_exit is not None and on_exit(rank, proc.exitcode):
                     told_to_go.add(rank)
                 fatal = not survivable or (rank == 0 and goes_on is None)

@@ -39,15 +39,19 @@ from fast.runtime import control
 from fast.runtime.control import Control
 from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded
 from fast.runtime.simulated_membership import simulated_member
+from fast.shards.local import load_local_optimizer_state, local_optimizer_state, local_tensor
 
 
 def fingerprint(state: dict[str, Any]) -> str:
-    """A hash of every tensor of a model's and an optimizer's state, in order: equal exactly when they are."""
+    """A hash of every tensor of a model's and an optimizer's state, in order: equal exactly when they are (a
+    sharded replica's: its local shards')."""
     digest = hashlib.sha256()
 
     def add(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(
+                local_tensor(value).detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            )
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 digest.update(str(key).encode())
@@ -151,15 +155,17 @@ class Live:
         if network is not None:
             network.start_clock()
         self.world = self.comm = world
-        self.world_size = self.workers = n
+        self.world_size, self.workers = n, n // self.shards  # (a replica is K members: fast.runtime.membership)
         self.control = Control(control, rank, False, self.config.strategy.name)
+        if self.shards > 1:
+            self._reform_shard_groups()  # the replica's groups, and its sharded model moved onto them
         world.barrier()
         self._boundary_at = -1
         context = getattr(self, "context", None)
         if context is not None:
-            context.comm = context.world = world
-            context.workers = n
-            self.strategy.comm = self.strategy.world = world
+            strategy_comm = world if self.shards == 1 else self.groups.replicate  # (shard k of every replica)
+            context.world, context.comm, context.workers = world, strategy_comm, self.workers
+            self.strategy.world, self.strategy.comm = world, strategy_comm
             if getattr(self.strategy, "model", None) is not None:
                 self.strategy.regroup()
 
@@ -245,11 +251,18 @@ class Live:
                 self.member.suspect(self.generation.number)
 
     # -- healing ---------------------------------------------------------------------------------------------------
+    def _own_model(self) -> torch.nn.Module:
+        """The model whose state a heal moves: the model, or a sharded replica's local shards (shard k's to shard k)."""
+        return self.model if self.sharded is None else self.sharded.view
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict() if self.sharded is None else local_optimizer_state(self.optimizer)
+
     def _state(self) -> dict[str, Any]:
         schedule = self.schedule.state_dict() if self.schedule is not None else self._schedule_state
         return {
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": {k: v.detach().cpu() for k, v in self._own_model().state_dict().items()},
+            "optimizer": self._optimizer_state(),
             "step": self.step,
             "data": [self.data_epoch, self.data_cursor],
             "samples": self.samples_trained,
@@ -259,8 +272,11 @@ class Live:
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._own_model().load_state_dict(state["model"])  # (a view's: into the local shards' own memory)
+        if self.sharded is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_local_optimizer_state(self.optimizer, state["optimizer"])
         self.driver.step = state["step"]
         self.data_epoch, self.data_cursor = state["data"]
         self.samples_trained = state["samples"]
@@ -273,7 +289,7 @@ class Live:
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self._own_model().state_dict(), "optimizer": self._optimizer_state(),
                 "strategy": self.strategy.shared_state()}  # fmt: skip
 
     def _heal(self, fresh: bool) -> None:
@@ -283,7 +299,9 @@ class Live:
         next by the next such member, and so on, so that several catch-ups go at once, from as many live peers
         (summary `membership`: the catch-ups' bytes and seconds). Where no member holds the state any more (every
         one that did died before the joiners were healed), the run cannot go on."""
-        world, started, me = self.world, timing.now(), self.world.index()
+        # a sharded replica heals shard for shard: shard k of every replica together, over their own group
+        world = self.world if self.shards == 1 else self.groups.replicate
+        started, me = timing.now(), world.index()
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         new = 0 if not fresh else 1 if self._holds_state else 2  # (2: a joiner that holds nothing yet)
         with world.unmetered():
@@ -316,7 +334,7 @@ class Live:
         elif me in source_of:
             with metered:
                 # a whole state: the weights, the optimizer's moments, the strategy's anchors and memories
-                limit = limit_for(self.model.state_dict(), times=8)
+                limit = limit_for(self._own_model().state_dict(), times=8)
                 _, payload = world.recv_bytes(world.ranks[source_of[me]], limit=limit)
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load_state(state)
@@ -329,7 +347,10 @@ class Live:
         if behind:  # every catch-up is done: what each source sent
             with world.unmetered():
                 sent = int(control.gathered(world, torch.tensor([sent], dtype=torch.int64)).sum())
-        if me == 0:  # (who does worker 0's duties) notes the change where the next one to do them finds it
+        if self.shards > 1:  # every shard's catch-ups, the replica's
+            with self.groups.shard.unmetered():
+                sent = int(control.gathered(self.groups.shard, torch.tensor([sent], dtype=torch.int64)).sum())
+        if self.is_main:  # (who does worker 0's duties) notes the change where the next one to do them finds it
             generation = self.generation
             founders = {"generation": -1, "members": self.member.generation(0).members}
             before = next(iter(self.member.changes(last=True)), founders)

@@ -17,7 +17,8 @@ of every batch (the batch size is the replica's; process k of its replica takes 
 
 A live run (`run.membership = "live"`) has no shards: its members share one cursor through each epoch's order (a seeded
 permutation of the whole dataset), and at each step the member of rank r of n takes the r-th of the next n
-batches, so that members may come and go without a sample lost or seen twice (fast.runtime.live).
+batches, so that members may come and go without a sample lost or seen twice (fast.runtime.live). A sharded live
+run's members are replicas: the replica r of n takes the r-th batch, each of its K processes its slice.
 """
 
 from __future__ import annotations
@@ -228,9 +229,9 @@ class ShardedLoader:
             if job.data_cursor + job.workers * b > len(order):  # the epoch is over, for every member at once
                 job.data_epoch, job.data_cursor = job.data_epoch + 1, 0
                 return
-            start = job.data_cursor + job.world.index() * b
+            start = job.data_cursor + job.world.index() // job.shards * b + self.part  # (a shard's slice)
             self.taken += 1
-            yield next(self._fetch([order[start : start + b]]))
+            yield next(self._fetch([order[start : start + self.slice]]))
 
     def _queue(self) -> Iterator[Any]:
         """One pass of a live run's detached workers (fast.runtime.detached): the batches this worker takes

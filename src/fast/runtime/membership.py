@@ -8,6 +8,12 @@ a member dies (its process exits, or its heartbeats stop), leaves (SIGTERM: it s
 suspected by a peer whose collective with it failed, or when a joiner is admitted. The members switch at the
 points their strategy can take a change (fast.runtime.live), all at the same step.
 
+A sharded run's (`run.shards = K`) members are its replicas' processes, K consecutive ids to a replica (its shard k
+is id r·K + k), and a replica comes and goes whole: a joiner is admitted as K ids at once and enters a generation
+once all K are ready, and when one of a replica's processes goes, the generation leaves out all of them (its
+launcher stops the others: fast.runtime.launch). So a generation's members are whole replicas in order, and its
+group's ranks are laid out as a fixed sharded run's (fast.shards.layout).
+
 Who may reach the run's store, and so join it, stop it or change anything in it, is the rule of
 fast.runtime.run_store: holders of the run's secret (`membership.secret`, written 0600 in the run folder; the
 founders read it there, a remote joiner is given it as a file), proved on every connection. A joiner's config must
@@ -175,6 +181,7 @@ class Coordinator:
         files.write_text(self.secret_file, secret.hex(), private=True)
         files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.server.port}))
         self.store = connect(self.access, 30.0)
+        self.shards = config.run.shards  # a replica's processes: its K consecutive ids come and go together
         self.members = list(range(founders))
         self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
         self.next_id = founders if first_joiner is None else first_joiner  # (the ids between: the servers)
@@ -270,17 +277,21 @@ class Coordinator:
         if not closed:
             self.pending += self._admissions()
         # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
-        joined = [] if closed else [m for m in self.pending if read_key(self.store, f"ready/{m}") is not None]
+        ready = [m for m in self.pending if read_key(self.store, f"ready/{m}") is not None]
         gave_up = [m for m in self.pending if read_key(self.store, f"leave/{m}") is not None]
+        k = self.shards  # (a replica enters once all its processes are ready; one gone, the replica is)
+        joined = [] if closed else [m for m in ready if all(m // k * k + i in ready for i in range(k))]
+        gave_up = [m for m in self.pending if any(g // k == m // k for g in gave_up)]
+        joined = [m for m in joined if m not in gave_up]
         self.pending = [m for m in self.pending if m not in joined and m not in gave_up]
         # a member whose collective failed in the newest generation, with no departure to explain it: form it again
         suspected = _count(self.store, f"suspicions/{self.generation.number}") > 0
         if not (left or joined or suspected):
             return
-        gone = {entry["member"] for entry in left}
-        members = [m for m in self.members if m not in gone] + joined
+        gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
+        members = [m for m in self.members if m // k not in gone] + sorted(joined)
         self.members = members
-        failed = why_it_ends(members, self.config.run.min_workers, self.needs_worker_0)
+        failed = why_it_ends(members[::k], self.config.run.min_workers, self.needs_worker_0)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
 
     def _departures(self, store: Any) -> list[dict[str, Any]]:
@@ -316,9 +327,9 @@ class Coordinator:
             if written is None:
                 continue
             reason = self._refusal(written, len(self.members) + len(admitted))
-            if reason is None:
-                member, self.next_id = self.next_id, self.next_id + 1
-                admitted.append(member)
+            if reason is None:  # (a sharded run's joiner is a replica: K ids, one a process)
+                member, self.next_id = self.next_id, self.next_id + self.shards
+                admitted += range(member, self.next_id)
                 answer = {"member": member}
             else:
                 answer = {"refused": reason}
@@ -338,8 +349,8 @@ class Coordinator:
         if difference is not None:
             return f"its config differs from the run's: {difference}"
         limit = self.config.run.max_workers or 256
-        if size + len(self.pending) >= limit:
-            return f"the run already has {size} workers, its run.max_workers: try again when one leaves"
+        if (size + len(self.pending)) // self.shards >= limit:  # (a sharded run's workers are replicas of K)
+            return f"the run already has {size // self.shards} workers, its run.max_workers: try again when one leaves"
         return None
 
 

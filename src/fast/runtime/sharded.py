@@ -8,14 +8,26 @@ the user's model over its replica (fast.shards.ShardedReplica) and sets the stra
 but for:
 
 - data: cut by replica, each shard taking its slice of its replica's batch (fast.runtime.loader);
-- evaluation: the sharded model, every shard of replica 0 together, holding the reported weights (the strategy's
-  replica, or its average or θ, copied into the local shards for the evaluation and put back after); the metrics go
-  to every process. A whole-replica divergence (`replica.divergence`);
+- evaluation: the sharded model, every shard of the first replica together (a live run's lowest live one), holding
+  the reported weights (the strategy's replica, or its average or θ, copied into the local shards for the evaluation
+  and put back after); the metrics go to every process. A whole-replica divergence (`replica.divergence`);
 - model.pt: the reported model gathered whole by replica 0's shards, on rank 0, loading into the user's class (its
   buffers, BatchNorm's statistics, are shard 0's: each shard keeps its own, as DDP's processes do without a buffer
   broadcast);
 - checkpoints: a folder per replica and step through DCP (fast.shards.checkpoint): the model, the optimizer and the
   strategy's vectors reshard, so a checkpoint resumes bit for bit at the same K, and at another (K = 1 included).
+
+Live membership (`run.membership = "live"`, fast.runtime.live): the members are the replicas' processes, K
+consecutive ids to a replica, which joins and leaves whole (fast.runtime.membership; its launcher stops a replica's
+other processes when one dies). Each generation re-forms the world, which aborts every process group of the process,
+the replica's own included; the replica's K processes are the same ones at the same shard indices, so its groups are
+made again over the new world (`_reform_shard_groups`) and the sharded model is moved onto the new shard group as it
+is (fast.shards.rebind: FSDP2's mesh and its mesh infos point at the new group; no local value, and no optimizer
+state, moves). A joiner heals shard for shard, over the replica groups: shard k of the joiner gets shard k's local
+state from shard k of a live replica. The first replica of a generation does worker 0's duties (its shard 0 is the
+generation's first member, `Job.is_main`; its other shards take part in the evaluation and in gathering model.pt).
+After a step's exchange the replica's shards meet at a barrier (`replica.settle`): a shard whose exchange failed
+leaves it broken, so a step is discarded by all of a replica's shards or by none.
 
 On the CPU a sharded process has glibc return freed blocks of 1 MB or more to the system: FSDP2 gathers each block
 into new memory at every forward and backward, and glibc's own threshold keeps what it frees in the heap
@@ -54,15 +66,33 @@ class Sharded:
 
     def _form_shard_groups(self) -> None:
         """Collective over the workers' group (`run.shards` > 1): this worker's two groups. Every process of the
-        run knows its replica and its shard (unsharded, a worker is its own replica: shard 0 of it)."""
+        run knows its replica and its shard (unsharded, a worker is its own replica: shard 0 of it). A live run's
+        ids come K to a replica (fast.runtime.membership), so the same rule holds there, and its groups are formed
+        with each generation (`_reform_shard_groups`)."""
         k = self.shards
-        self.groups: Groups | None = None
-        self.sharded: ShardedReplica | None = None
         self.replica_index, self.shard_index = (self.rank // k, self.rank % k) if self.is_worker else (0, 0)
+        self.sharded: ShardedReplica | None = None
+        if getattr(self, "groups", None) is not None:  # (a live run's, formed with its first generation)
+            return
+        self.groups: Groups | None = None
         if k > 1 and self.is_worker:
             self.groups = form_groups(self.comm, k)
             if self.device.type == "cpu" and not self.simulated:
                 _return_freed_blocks()
+
+    def _reform_shard_groups(self) -> None:
+        """A live run's new generation (collective over its world): the replica's groups made again over it, and the
+        sharded model, once there is one, moved onto them (fast.shards.rebind)."""
+        groups = form_groups(self.world, self.shards)
+        if getattr(self, "sharded", None) is not None:
+            self.sharded.regroup(groups)
+        self.groups = groups
+
+    @property
+    def _first_replica(self) -> bool:
+        """Whether this process is in the first replica of the workers' group (in a live run, the current
+        generation's: the lowest live replica, which does worker 0's duties)."""
+        return self.groups.replica == 0
 
     def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """Shard `model` over this worker's replica (in place; `optimizer` moved onto its shards), and return what
@@ -76,7 +106,7 @@ class Sharded:
     def _sharded_metrics(self, fn: Callable[[nn.Module], Any], model: nn.Module, during_run: bool) -> dict[str, float]:
         """`fn` of the sharded model holding `model` (the strategy's replica, or a copy of it), on every shard of
         replica 0 together (a forward is collective inside a replica); {} on the others."""
-        if self.replica_index != 0:
+        if not self._first_replica:
             return {}
         with self.sharded.holding(model) as sharded:
             return self._metrics_of(fn, sharded, during_run=during_run)
@@ -96,7 +126,7 @@ class Sharded:
     def _whole_state(self, model: nn.Module | None) -> dict[str, torch.Tensor] | None:
         """The reported `model` (the strategy's replica, or a copy of it) gathered whole by replica 0's shards: its
         state on rank 0 (model.pt), None elsewhere."""
-        if model is None or self.replica_index != 0:
+        if model is None or not self._first_replica:
             return None
         state = self.sharded.whole_state_dict(local=None if model is self.sharded.view else model.state_dict())
         return state if self.shard_index == 0 else None

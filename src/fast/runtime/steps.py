@@ -246,6 +246,8 @@ class StepDriver:
         with timeline.span("strategy.after_backward", "communicate"):
             try:
                 self.strategy.after_backward(self.step)
+                if replica is not None and self.on_failure is not None:  # a live run's replica: discarded by all
+                    replica.settle()  # shards or none (a shard whose exchange failed leaves this barrier broken)
             except CommError:
                 if self.on_failure is None:
                     raise

@@ -70,3 +70,27 @@ class LocalShards:
                 p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             elif local_tensor(p.grad) is not g:
                 local_tensor(p.grad).copy_(g)
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict with each DTensor in it as its local shard (a live run's heal sends this process's
+    shards of the state, shard k to shard k: fast.runtime.live)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: local_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a `local_optimizer_state` (a shard's, of the same layout): each tensor shaped like its parameter's local
+    shard becomes a DTensor on the parameter's mesh again, as FSDP2's optimizer state is."""
+    optimizer.load_state_dict(state)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        if not isinstance(p, DTensor) or p not in optimizer.state:
+            continue
+        mine = optimizer.state[p]
+        for key, value in mine.items():
+            laid_like_p = isinstance(value, torch.Tensor) and value.shape == local_tensor(p).shape
+            if laid_like_p and not isinstance(value, DTensor):
+                mine[key] = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                               run_check=False)  # fmt: skip

@@ -30,6 +30,7 @@ from fast.errors import UsageError
 from fast.shards import checkpoint
 from fast.shards.layout import Groups, form_groups
 from fast.shards.local import LocalShards
+from fast.shards.rebind import rebind
 from fast.shards.sharding import is_sharded, shard
 from fast.shards.whole import Unsharded, gathered_state_dict
 
@@ -65,6 +66,19 @@ class ShardedReplica:
     @property
     def replica(self) -> int:
         return self.groups.replica
+
+    def regroup(self, groups: Groups) -> None:
+        """Take `groups`, this process's groups re-made over a live run's new generation (the same replica, at the
+        same shard index): the model moves onto the new shard group, its mesh and local shards kept
+        (fast.shards.rebind)."""
+        rebind(self.model, self.groups.mesh, groups.shard.group)
+        groups.mesh = self.groups.mesh
+        self.groups = groups
+
+    def settle(self) -> None:
+        """A barrier of the replica's shards (a live run's, after a step's exchange): a shard whose exchange failed
+        leaves it broken, so that its siblings discard the step with it (fast.runtime.live)."""
+        self.groups.shard.barrier()
 
     def gradients_in(self) -> None:
         self.local.gradients_in()

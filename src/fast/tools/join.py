@@ -1,5 +1,7 @@
 """`fast join`: a worker that joins a running live job (`run.membership = "live"`), admitted by its membership and
-healed from a live peer (fast.runtime.live); it trains with the others to the end of the run.
+healed from a live peer (fast.runtime.live); it trains with the others to the end of the run. A sharded run's worker
+is a replica of `run.shards` processes, admitted as one (K consecutive member ids) and started here together: when
+one of them ends badly the others are stopped at once, and the run is told the replica is gone.
 
     fast join RUN_DIR                                   a run of this machine: its address and secret are in RUN_DIR
     fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
@@ -46,8 +48,8 @@ def join(
     standby: bool = False,
     **overrides: Any,
 ) -> int | None:
-    """Join a running job and train with it to its end; returns this worker's member id (None: a standby joiner
-    whose input ended without a line, which never joined)."""
+    """Join a running job and train with it to its end; returns this worker's member id (a sharded replica's: its
+    shard 0's; None: a standby joiner whose input ended without a line, which never joined)."""
     if run_dir is not None:
         folder = Path(run_dir)
         found, secret_file = live_run("fast join", folder)
@@ -72,10 +74,10 @@ def join(
 
     def ended(rank: int, exit_code: int | None) -> None:
         if exit_code:  # tell the run at once, rather than at the end of this worker's heartbeats
-            report_left(access, member, "killed" if exit_code < 0 else f"exited with code {exit_code}")
+            report_left(access, member + rank, "killed" if exit_code < 0 else f"exited with code {exit_code}")
 
-    addr = access.host
+    addr, shards = access.host, job.run.shards
     threads = job.run.threads_per_worker or 1
-    launch(train_worker, 1, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
-           extra_env=environment, on_exit=ended)  # fmt: skip
+    launch(train_worker, shards, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
+           extra_env=environment, on_exit=ended, together=shards)  # fmt: skip
     return member
