@@ -207,13 +207,13 @@ def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orp
         _wait_for_step(run, 5, proc)
         standby = [FAST, "join", str(run), "--standby"]
         unused = subprocess.Popen(standby, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        out, _ = unused.communicate("", timeout=120)
-        assert unused.returncode == 0 and "never joined" in out, out
         joiner = subprocess.Popen(standby, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env)  # fmt: skip
+        out, _ = unused.communicate("", timeout=120)
+        assert unused.returncode == 0 and "never joined" in out, out
         assert "standby joiner ready" in joiner.stdout.readline()
         joiner.stdin.write("join\n")
-        joiner.stdin.close()
+        joiner.stdin.flush()  # (closed by _stop_once_joined's communicate)
         asked = time.monotonic()
         while _steps(run, 2) < 1:
             assert joiner.poll() is None, joiner.communicate()
