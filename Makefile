@@ -36,8 +36,12 @@ data:
 demo: setup data
 	$(VENV)/bin/fast compare examples/demo.toml
 
+# two pytest processes, each taking whole files in turn: the suite waits on process start-ups and deadlines about as
+# long as it computes, so two overlap (on 2 cores: 21m29 against about 27 minutes in one)
+TEST_PROCESSES ?= 2
+
 test: setup data $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 bench: setup data $(TEST_STAMP)  # about 2 hours on 2 cores; each script prints its ratios and whether its target is met
 	$(PY) bench/sync_vs_ddp.py

@@ -3,6 +3,7 @@ back (`[faults] churn`).
 
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
                                     [--equal tokens|time] [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
+    .venv/bin/python bench/churn.py --goodput --failure-every 15 --time 600 --strategies sync local-sgd diloco
 
 Every run's membership is live (`run.membership = "live"`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by
 default; `--real-links`: this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With
@@ -11,7 +12,15 @@ of a tenth of it, healed from a live peer. `--equal tokens` (the default): the r
 as the one without did (`run.max_samples`), however long that takes, so that the perplexities compare the same amount of
 training; `--equal time`: it trains for the same time, on fewer samples. Per strategy and seed: the final validation
 perplexity, samples, training time, bytes, and the catch-ups' bytes and seconds; then, per strategy, the ratio of its
-mean perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco) within 5%."""
+mean perplexity with churn to its mean without. Target: the periodic family (local-sgd, diloco) within 5%.
+
+`--goodput`: what churn costs in throughput. The run with churn trains for `--time` seconds, failures coming every
+`--failure-every` seconds on average across the run (each member's mean stay is that times the workers; a new one
+comes back after a mean absence of `--absence`); its goodput is the samples trained per member-second present (a
+member is present from the generation it enters to the one that leaves it out: a dead member counts until it is
+found gone, a joiner from when it takes part). On a machine of few cores fewer members each step faster, which
+flatters churn; so the steady run it is held against has the churned run's mean members (rounded), for as long.
+Target: churned / steady >= 0.9 per member-second."""
 
 from __future__ import annotations
 
@@ -42,23 +51,37 @@ PERIODIC = ("local-sgd", "diloco")
 TARGET = 0.05
 
 
-def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: bool,
+GOODPUT_TARGET = 0.9
+
+
+def member_seconds(events: list[dict], train_s: float) -> float:
+    """The members' time present over a run's generations (`summary["membership"]`), to the end of training."""
+    if not events:
+        return 0.0
+    ends = [e["unix_time"] for e in events[1:]] + [events[0]["unix_time"] + train_s]
+    return sum(len(e["members"]) * max(0.0, end - e["unix_time"]) for e, end in zip(events, ends, strict=True))
+
+
+def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: tuple[float, float] | None,
             network: dict[str, str], samples: int | None = None) -> dict:  # fmt: skip
-    """One run of `seconds` of training, or (`samples`) of that many samples, with a backstop of 5x the time."""
+    """One run of `seconds` of training, or (`samples`) of that many samples, with a backstop of 5x the time;
+    `churn`: each member's mean stay and mean absence, in seconds."""
     limit = seconds if samples is None else 5 * seconds
     options = {**JOB, **STRATEGIES[strategy], **network, "run__seed": seed, "run__workers": workers,
                "run__max_time": f"{limit}s"}  # fmt: skip
     if samples is not None:
         options["run__max_samples"] = samples
-    if churn:
-        options.update(faults__churn__lifetime=f"{seconds / 3:g}s", faults__churn__absence=f"{seconds / 10:g}s")
+    if churn is not None:
+        options.update(faults__churn__lifetime=f"{churn[0]:g}s", faults__churn__absence=f"{churn[1]:g}s")
     started = time.monotonic()
     summary = fast.train(str(CONFIG), out=str(out), **options)
     events = summary.get("membership", [])
     return {
         "strategy": strategy,
         "seed": seed,
-        "churn": churn,
+        "churn": churn is not None,
+        "workers": workers,
+        "member_s": round(member_seconds(events, summary["wall_time_s"]), 1),
         "perplexity": summary.get("final_test_perplexity"),
         "steps": summary["steps_per_worker"],
         "samples": summary["samples"],
@@ -68,6 +91,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "catch_up_bytes": summary.get("catch_up_bytes", 0),
         "catch_up_s": round(sum(e["catch_up_s"] for e in events[1:]), 3),
         "changes": max(0, len(events) - 1),
+        "leaves": sum(len(e["left"]) for e in events[1:]),
         "workers_at_end": summary.get("workers_at_end"),
     }
 
@@ -88,15 +112,21 @@ def main() -> int:
     parser.add_argument("--bandwidth", default="10Mbit", help="every emulated link, each direction")
     parser.add_argument("--latency", default="50ms", help="every emulated link, one way")
     parser.add_argument("--real-links", action="store_true", help="no [network]: this machine's own links")
+    parser.add_argument("--goodput", action="store_true", help="samples per member-second, churned over steady")
+    parser.add_argument("--failure-every", type=float, help="--goodput: seconds between failures, on average")
+    parser.add_argument("--absence", type=float, default=5.0, help="--goodput: a member's mean time away (seconds)")
     args = parser.parse_args()
     network = {} if args.real_links else {"network__bandwidth": args.bandwidth, "network__latency": args.latency}
+    if args.goodput:
+        return goodput(args, network)
     rows = []
     for seed in range(args.seeds):
         for strategy in args.strategies:
             samples = None
             for churn in (False, True):  # alternated, so that a drift of the host hits both alike
                 name = f"{strategy}-{'churn' if churn else 'steady'}-seed{seed}"
-                row = one_run(args.out / name, strategy, seed, args.workers, args.time, churn, network, samples)
+                draws = (args.time / 3, args.time / 10) if churn else None
+                row = one_run(args.out / name, strategy, seed, args.workers, args.time, draws, network, samples)
                 if args.equal == "tokens":
                     samples = row["samples"]
                 rows.append(row)
@@ -122,6 +152,42 @@ def main() -> int:
               f" {statistics.mean(r['catch_up_bytes'] for r in churned) / 1e6:>12.2f}"
               f" {statistics.mean(r['catch_up_s'] for r in churned):>11.2f}")  # fmt: skip
     print(f"\nperiodic family under churn within {TARGET:.0%} of its perplexity without: {'met' if met else 'NOT met'}")
+    return 0
+
+
+def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
+    """Per strategy and seed, a churned run then a steady one at its mean members; their samples per member-second."""
+    if args.failure_every is None:
+        raise SystemExit("bench/churn.py --goodput needs --failure-every SECONDS (a failure every 15 s: 15)")
+    draws = (args.failure_every * args.workers, args.absence)
+    rows = []
+    for seed in range(args.seeds):
+        for strategy in args.strategies:
+            churned = one_run(args.out / f"{strategy}-churn-seed{seed}", strategy, seed, args.workers, args.time,
+                              draws, network)  # fmt: skip
+            members = max(1, round(churned["member_s"] / churned["train_s"]))
+            steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members, args.time, None,
+                             network)  # fmt: skip
+            for row in (churned, steady):
+                row["goodput"] = row["samples"] / row["member_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    (args.out / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"\nfailures every {args.failure_every:g} s on average (each member's mean stay "
+          f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a run, {args.seeds} seeds")  # fmt: skip
+    print(f"{'strategy':<10} {'failures':>9} {'members':>8} {'churned/s':>10} {'steady/s':>9} {'ratio':>13}")
+    met = True
+    for strategy in args.strategies:
+        pairs = [(c, s) for c, s in zip(rows[::2], rows[1::2], strict=True) if c["strategy"] == strategy]
+        ratios = [c["goodput"] / s["goodput"] for c, s in pairs]
+        met = met and statistics.mean(ratios) >= GOODPUT_TARGET
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}" if len(ratios) > 1 else ""
+        print(f"{strategy:<10} {statistics.mean(c['leaves'] for c, _ in pairs):>9.1f}"
+              f" {statistics.mean(c['member_s'] / c['train_s'] for c, _ in pairs):>8.2f}"
+              f" {statistics.mean(c['goodput'] for c, _ in pairs):>10.1f}"
+              f" {statistics.mean(s['goodput'] for _, s in pairs):>9.1f}"
+              f" {statistics.mean(ratios):>6.3f} {spread}")  # fmt: skip
+    print(f"\nsamples per member-second, churned / steady >= {GOODPUT_TARGET}: {'met' if met else 'NOT met'}")
     return 0
 
 
