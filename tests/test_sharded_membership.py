@@ -64,8 +64,24 @@ def test_a_killed_process_takes_its_replica_out_and_a_joined_replica_heals_shard
     assert not (run / "checkpoints").exists()  # nothing read from (or written to) a file
     for output in ("summary.json", "metrics.jsonl", "model.pt", "config.toml"):
         assert (run / output).is_file(), output
-    if strategy["strategy.name"] != "diloco":  # (live diloco left alone a thousand steps diverges, unsharded too)
+    if strategy["strategy.name"] != "diloco":  # (diloco's replica trains alone about a minute: no bar set for it)
         assert summary["final_test_accuracy"] > 0.9
     model = build_model("mlp", (1, 8, 8), 10)
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))  # strict: the user's class, whole
     assert json.loads((run / "summary.json").read_text())["written_by"] == 0
+
+
+def test_a_killed_process_of_the_first_replica_passes_worker_0s_duties_to_the_next(tmp_path, no_orphans):
+    """Process 0 (shard 0 of the first replica, which does worker 0's duties) killed: its replica goes whole, the
+    next replica's shard 0 evaluates and writes the run folder, and a joined replica heals from that one."""
+    run = tmp_path / "run"
+    summary = _kill_one_then_join(run, SHARDED, killed_at=16, joined_at=None, joiner=4,
+                                  while_joining=lambda: _replica_gone(0), workers=2, killed=0)  # fmt: skip
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2, 3], [2, 3], [2, 3, 4, 5]]
+    for shard in (0, 1):
+        (healed,) = _healed(run, 4 + shard)
+        assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] == 2 + shard
+    assert summary["written_by"] == 2 and summary["final_test_accuracy"] > 0.9
+    model = build_model("mlp", (1, 8, 8), 10)
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
