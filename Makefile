@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 TEST_STAMP := $(VENV)/.test-extras-$(shell cksum pyproject.toml | cut -d' ' -f1)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: setup data demo test bench bench-sim lint clean
+.PHONY: setup data demo test test-all bench bench-sim lint clean
 
 setup: $(STAMP)
 
@@ -40,8 +40,11 @@ demo: setup data
 # long as it computes, so two overlap (on 2 cores: 21m29 against about 27 minutes in one)
 TEST_PROCESSES ?= 2
 
-test: setup data $(TEST_STAMP)
+test: setup data $(TEST_STAMP)  # the tests but those marked slow: variants of a run another test already makes
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+
+test-all: setup data $(TEST_STAMP)  # every test, the slow ones too (skipping those that need a GPU without one)
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile -m 'slow or not slow'
 
 bench: setup data $(TEST_STAMP)  # about 2 hours on 2 cores; each script prints its ratios and whether its target is met
 	$(PY) bench/sync_vs_ddp.py

@@ -111,7 +111,11 @@ def test_a_full_disk_names_the_file_and_keeps_what_was_written(tmp_path):
     [
         ("strategy.name=sync", "backend"),  # the sums fall back from shared memory to gloo
         ("strategy.name=hogwild", "hogwild shares its model through /dev/shm, which has no room for"),
-        ("run.max_restarts=1", "torch's elastic agent keeps its locks in /dev/shm, which is full"),
+        pytest.param(
+            "run.max_restarts=1",
+            "torch's elastic agent keeps its locks in /dev/shm, which is full",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_tiny_dev_shm_falls_back_or_is_one_line_and_nothing_is_left_there(tmp_path, setting, outcome):

@@ -116,6 +116,7 @@ def test_a_gradscaler_overflow_on_one_rank_is_skipped_by_every_rank_as_with_ddp(
     assert summary["steps_per_worker"] == 11
 
 
+@pytest.mark.slow
 def test_without_a_scaler_an_overflow_is_fasts_bad_step_on_every_rank_in_the_users_terms(tmp_path, no_orphans):
     ported = _overflow(tmp_path, "fast", "5", "--no-scaler")
     for name, tensor in ported[0]["state"].items():  # skipped on both ranks: the replicas agree, all finite
@@ -203,7 +204,7 @@ def test_an_evaluation_on_rank_0_longer_than_the_deadline_is_waited_for(tmp_path
             "rank?): waiting on, up to 1800s") in done.stderr  # fmt: skip
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "fast run"])
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow), "fast run"])
 def test_a_deadline_on_worker_1_is_reported_as_worker_1s(tmp_path, no_orphans, launcher):
     done = _deadline_script(tmp_path, launcher, "freezes")
     assert done.returncode != 0
@@ -227,7 +228,7 @@ def test_a_compiled_models_file_loads_into_its_own_class(tmp_path):
     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).load_state_dict(state)  # no _orig_mod.
 
 
-@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+@pytest.mark.parametrize("strategy", ["sync", pytest.param("diloco", marks=pytest.mark.slow)])
 def test_a_hugging_face_gpt2_trains_in_a_users_loop(tmp_path, no_orphans, strategy):
     pytest.importorskip("transformers", reason="the transformers extra: pip install -e '.[transformers]'")
     run = tmp_path / "run"
@@ -240,8 +241,11 @@ def test_a_hugging_face_gpt2_trains_in_a_users_loop(tmp_path, no_orphans, strate
     assert losses[-1] < 0.9 * losses[0]  # (3.71 to 3.06 under sync, the first record at step 20)
 
 
-@pytest.mark.parametrize("strategy", [["strategy.name=diloco", "strategy.period=4"], ["strategy.name=async-ps"]],
-                         ids=["diloco", "async-ps"])  # fmt: skip
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param(["strategy.name=diloco", "strategy.period=4"], marks=pytest.mark.slow), ["strategy.name=async-ps"]],
+    ids=["diloco", "async-ps"],
+)
 def test_where_gradients_are_not_averaged_an_overflow_reaches_only_that_workers_scaler(tmp_path, no_orphans, strategy):
     out = tmp_path / "fast"
     out.mkdir()

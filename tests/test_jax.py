@@ -62,8 +62,12 @@ ADAM = ("--optimizer", "adam")  # DiLoCo's inner optimizer (with SGD and momentu
     [
         pytest.param({"strategy__name": "local-sgd", "strategy__period": 4}, 2, (), id="local-sgd"),
         pytest.param({"strategy__name": "diloco", "strategy__period": 4, "optimizer__lr": 0.003}, 2, ADAM, id="diloco"),
-        pytest.param({"strategy__name": "gossip", "strategy__topology": "ring"}, 3, (), id="gossip"),
-        pytest.param({"strategy__name": "async-ps"}, 2, (), id="async-ps", marks=pytest.mark.nondeterministic),
+        pytest.param(
+            {"strategy__name": "gossip", "strategy__topology": "ring"}, 3, (), id="gossip", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            {"strategy__name": "async-ps"}, 2, (), id="async-ps", marks=[pytest.mark.nondeterministic, pytest.mark.slow]
+        ),
     ],
 )
 def test_a_jax_job_trains_the_digits_under_each_family(tmp_path, no_orphans, strategy, workers, args):
@@ -83,6 +87,7 @@ def test_a_codec_on_sync_sends_exactly_its_frames(tmp_path, no_orphans):
     assert summary["bytes_sent_uncompressed"] == 2 * 20 * 4 * (parameters + 1)  # (+ the count of contributors)
 
 
+@pytest.mark.slow
 def test_an_interrupted_jax_run_resumes_to_exactly_the_uninterrupted_weights(tmp_path, monkeypatch, no_orphans):
     """The Optax state (momentum) and the weights are in the checkpoint of step 15."""
     job = {**JOB, "run__max_steps": 30, "run__checkpoint_every": 5, "strategy__name": "diloco",
@@ -117,7 +122,7 @@ def test_a_schedule_sets_the_learning_rate_of_an_injected_optax_optimizer(tmp_pa
     ("options", "message"),
     [
         ({"run__precision": "bf16"}, "run.precision = 'bf16' with a JAX job"),
-        ({"run__accumulate": 2}, "run.accumulate = 2 with a JAX job"),
+        pytest.param({"run__accumulate": 2}, "run.accumulate = 2 with a JAX job", marks=pytest.mark.slow),
     ],
 )
 def test_what_a_jax_job_cannot_take_is_refused_in_one_line(tmp_path, options, message):

@@ -92,7 +92,9 @@ def _command(kind: str, tmp_path: Path) -> list[str]:
     return [FAST, "compare", str(tmp_path / "compare.toml"), "--out", str(tmp_path / "out")]
 
 
-@pytest.mark.parametrize("kind", ["train", "run", "compare"])
+@pytest.mark.parametrize(
+    "kind", ["train", pytest.param("run", marks=pytest.mark.slow), pytest.param("compare", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize(
     "how", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)], ids=["SIGKILL", "SIGTERM"]
 )  # (SIGTERM goes the way of Ctrl-C, which test_sigterm_ends_a_run_as_ctrl_c_does_with_the_resume_hint covers)
@@ -133,7 +135,9 @@ def test_sigterm_ends_a_run_as_ctrl_c_does_with_the_resume_hint(tmp_path, no_orp
     assert not gone_within(proc.pid, 5.0) and (run / "workers" / "metrics-0.jsonl").stat().st_size > 0
 
 
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+@pytest.mark.parametrize(
+    "how", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)], ids=["Ctrl-C", "SIGTERM"]
+)
 def test_an_interrupt_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_path, how):
     for delay in (0.2, 1.0, 2.0, 3.0):
         proc = start([FAST, "train", "--out", str(tmp_path / f"run-{delay}"), *LONG], tmp_path)
@@ -169,6 +173,7 @@ def _listening(pids: set[int]) -> set[tuple[str, int]]:
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
+@pytest.mark.slow
 def test_a_live_local_run_listens_on_loopback_only(tmp_path):
     proc = start([FAST, "train", "--out", str(tmp_path / "run"), *LONG, "--set", "run.max_restarts=1"], tmp_path)
     seen: set[tuple[str, int]] = set()
@@ -185,6 +190,7 @@ def test_a_live_local_run_listens_on_loopback_only(tmp_path):
     assert {address for address, _ in seen} <= LOOPBACK, seen
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_without_out_get_two_folders_and_both_summaries(tmp_path):
     command = [FAST, "train", "--set", "data.name=digits", "--set", "run.workers=2", "--set", "run.epochs=1",
                "--set", "run.eval_every=0"]  # fmt: skip
@@ -218,6 +224,7 @@ def test_a_folder_a_live_run_holds_is_refused_to_a_second_run(tmp_path, no_orpha
     ]
 
 
+@pytest.mark.slow
 def test_two_live_runs_on_one_master_port_both_finish(tmp_path):
     """A local live run meets through files: the port it is given is not bound, so two can share it."""
     settings = ["data.name=digits", "run.workers=2", "run.epochs=1", "run.eval_every=0", "run.max_restarts=1",

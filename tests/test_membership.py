@@ -133,7 +133,9 @@ def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int
     [
         {"strategy.name": "sync"},
         pytest.param({"strategy.name": "local-sgd", "strategy.period": 4}, marks=pytest.mark.slow),
-        {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3},  # θ and outer momentum healed
+        pytest.param(  # θ and outer momentum healed
+            {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3}, marks=pytest.mark.slow
+        ),
         pytest.param(
             {"strategy.name": "streaming-diloco", "strategy.period": 8, "strategy.fragments": 2}, marks=pytest.mark.slow
         ),  # fmt: skip
@@ -165,7 +167,10 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
 
 @pytest.mark.parametrize(
     "strategy",
-    [{"strategy.name": "sync"}, {"strategy.name": "local-sgd", "strategy.period": 4}],
+    [
+        pytest.param({"strategy.name": "sync"}, marks=pytest.mark.slow),
+        {"strategy.name": "local-sgd", "strategy.period": 4},
+    ],
     ids=["sync", "local-sgd"],
 )
 def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_orphans, strategy):
@@ -233,6 +238,7 @@ def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orp
     assert healed["fingerprint"] == healed["source_fingerprint"]
 
 
+@pytest.mark.slow
 def test_async_workers_join_and_leave_alone_on_their_lines_to_the_servers(tmp_path, no_orphans):
     """async-ps: no member waits for another; a killed worker fails its own line, a joiner catches up from the
     servers, and the work queue hands out every batch once (but the one the killed worker held)."""
@@ -253,7 +259,8 @@ def test_async_workers_join_and_leave_alone_on_their_lines_to_the_servers(tmp_pa
     # each push is one batch the servers applied: those of the workers at the end and the killed one's before it died
     present, killed = sum(_steps(run, m) for m in (0, 1, 3, 5)), _steps(run, 2)
     assert abs(summary["pushes"] - (present + killed)) <= 1, (summary["pushes"], present, killed)
-    assert present < summary["samples"] // 32 <= present + killed  # the killed one's as of its last heartbeat
+    # the killed one's samples as of its last heartbeat, which may count the one step its metrics line missed
+    assert present < summary["samples"] // 32 <= present + killed + 1
     assert not (run / "checkpoints").exists()
 
 
@@ -400,7 +407,10 @@ def two_machines():
 
 @pytest.mark.parametrize(
     ("strategy", "joiner_id"),
-    [({"strategy.name": "sync"}, 2), ({"strategy.name": "async-ps"}, 3)],  # (async-ps: id 2 is the server)
+    [
+        ({"strategy.name": "sync"}, 2),
+        pytest.param({"strategy.name": "async-ps"}, 3, marks=pytest.mark.slow),
+    ],  # (async-ps: id 2 is the server)
     ids=["sync", "async-ps"],
 )
 def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp_path, no_orphans, two_machines,

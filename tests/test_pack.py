@@ -80,7 +80,7 @@ def _owner_trains(folder: Path, archive: Path, out: Path, *extra: str) -> subpro
     return subprocess.run(command, capture_output=True, text=True, cwd=out.parent, timeout=300)
 
 
-@pytest.mark.parametrize("strategy", ["sync", "gossip"])
+@pytest.mark.parametrize("strategy", ["sync", pytest.param("gossip", marks=pytest.mark.slow)])
 def test_a_package_trains_without_its_source_as_the_source_did(packed, tmp_path, no_orphans, strategy):
     folder, archive, sources = packed
     owner = tmp_path / "owner"

@@ -38,7 +38,14 @@ def _fast(out: Path, strategy: str) -> list[list[dict]]:
     return [torch.load(out / f"replica{r}.pt", weights_only=True) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "local-sgd", "streaming-diloco"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "diloco",
+        pytest.param("local-sgd", marks=pytest.mark.slow),
+        pytest.param("streaming-diloco", marks=pytest.mark.slow),
+    ],
+)
 def test_fast_and_torchft_train_to_the_same_weights_bit_for_bit(tmp_path, no_orphans, strategy):
     (tmp_path / "torchft").mkdir()
     (tmp_path / "fast").mkdir()

@@ -54,7 +54,9 @@ STRATEGIES = [
     pytest.param({"strategy__name": "sync"}, True, 0.8, id="sync"),
     # late gradients are folded in as they arrive: the order depends on timing, so no exact weights
     pytest.param({"strategy__name": "ssp", "strategy__staleness": 1}, False, 0.8, id="ssp"),
-    pytest.param({"strategy__name": "local-sgd", "strategy__period": 4}, True, 0.8, id="local-sgd"),
+    pytest.param(
+        {"strategy__name": "local-sgd", "strategy__period": 4}, True, 0.8, id="local-sgd", marks=pytest.mark.slow
+    ),
     pytest.param(
         {"strategy__name": "diloco", "strategy__period": 4, "strategy__outer_lr": 0.7}, True, 0.7, id="diloco"
     ),

@@ -36,7 +36,7 @@ def _replica_gone(replica: int, timeout_s: float = 20) -> None:
     "strategy",
     [
         {"strategy.name": "sync"},
-        {"strategy.name": "local-sgd", "strategy.period": 4},
+        pytest.param({"strategy.name": "local-sgd", "strategy.period": 4}, marks=pytest.mark.slow),
         pytest.param(  # θ and outer momentum healed shard by shard (a minute: the joiner starts late)
             {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3}, marks=pytest.mark.slow
         ),

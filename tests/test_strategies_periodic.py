@@ -249,7 +249,14 @@ def test_impossible_options_are_config_errors_naming_the_key(overrides, message)
         load_config(None, **overrides)
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "local-sgd", "streaming-diloco"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "diloco",
+        pytest.param("local-sgd", marks=pytest.mark.slow),
+        pytest.param("streaming-diloco", marks=pytest.mark.slow),
+    ],
+)
 def test_a_users_loop_that_ends_on_a_round_keeps_that_rounds_weights(tmp_path, no_orphans, strategy):
     """Workers whose loops have ended take steps without data until they agree to stop: a round in which no worker
     moved changes nothing (before, DiLoCo's outer momentum went on moving θ with zero pseudo-gradients)."""
