@@ -157,7 +157,10 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     # equal member 0's, bit for bit, before its first step
     (healed,) = _healed(run, 4)
     assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] == 0
-    assert healed["step"] == events[2]["step"]
+    # the periodic family's joiner takes its weights behind the others' steps, at its first round's last step
+    behind = strategy["strategy.name"] in ("local-sgd", "diloco")
+    assert healed.get("behind", False) == behind and events[2]["healed_behind"] == ([4] if behind else [])
+    assert healed["step"] == events[2]["step"] + (strategy["strategy.period"] - 1 if behind else 0)
     assert _steps(run, 4) > 0 and not (run / "checkpoints").exists()
     if strategy.get("strategy.topology") == "torus:2x2":
         assert summary["topology_fallback"].startswith("ring over 3 workers")
@@ -199,6 +202,44 @@ def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_
         accuracy = (model(x).argmax(1) == y).float().mean().item()
     assert accuracy == pytest.approx(summary["final_test_accuracy"], abs=1e-6)
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"strategy.name": "local-sgd", "strategy.period": 8},
+        pytest.param(  # (rates that stay stable over the thousands of steps a joiner's start may take)
+            {"strategy.name": "diloco", "strategy.period": 8, "strategy.outer_lr": 0.3, "optimizer.lr": 0.02},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["local-sgd", "diloco"],
+)
+def test_a_periodic_joiner_sits_its_first_round_out_while_its_state_comes_behind_the_others_steps(
+    tmp_path, no_orphans, strategy
+):
+    """Healing stops nobody: the joiner is sent where the run stands at once, and its weights and optimizer behind
+    the others' steps; it sits the round out (its share of the round's mean zeros) and takes them before the mean,
+    which brings it level with the others."""
+    run = tmp_path / "run"
+    summary = _kill_one_then_join(run, strategy, 20, None, 3, workers=3, killed=1)
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3]], events
+    joined = events[2]
+    assert joined["healed"] == [3] and joined["healed_behind"] == [3] and joined["catch_up_bytes"] > 0
+    (healed,) = _healed(run, 3)
+    assert healed["behind"] and healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] in (0, 2)
+    assert joined["step"] % 8 == 0 and healed["step"] == joined["step"] + 7  # the round's last step, before its mean
+    # the others trained the round's steps meanwhile, and the joiner none of them
+    records = [json.loads(line) for line in (run / "workers" / "metrics-0.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if "loss" in r} >= set(range(joined["step"], healed["step"] + 1))
+    losses = [json.loads(line) for line in (run / "workers" / "metrics-3.jsonl").read_text().splitlines()]
+    mine = [r for r in losses if "loss" in r]
+    assert min(r["step"] for r in mine) == healed["step"] + 2  # its first after the round (records count steps done)
+    # it came out of the round with the others' weights: its first loss is theirs, not a fresh model's
+    first = [r["loss"] for r in records if "loss" in r][0]
+    assert mine[0]["loss"] < 0.5 * first, (mine[0]["loss"], first)
+    assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
 
 
 def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orphans):

@@ -412,7 +412,11 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
     @property
     def samples_per_step(self) -> int:
         """The samples one step of every worker trains on together (the members', in a live run; a sharded
-        replica's batch is the batch size, its shards' slices together)."""
+        replica's batch is the batch size, its shards' slices together; not those of joiners sitting a round out,
+        fast.runtime.live)."""
+        sitting_out = self._sitting_out
+        if sitting_out is not None and self.step < sitting_out[0]:
+            return (self.workers - sitting_out[1]) * self.batch_size
         return self.workers * self.batch_size
 
     @property

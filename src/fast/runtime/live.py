@@ -15,6 +15,12 @@ each joiner and to each member whose step is not its own, never through a file. 
 peer died in it) is discarded on every survivor: no update is applied, the data cursor does not move, and the step
 is taken again over the new group, so no sample is lost or seen twice.
 
+A joiner of `local-sgd` or `diloco` (without a codec) stops nobody: it is sent where the run stands at once (step,
+data position, schedule), and its weights, optimizer and strategy state on a line of their own, behind the others'
+steps. It sits its first round out, taking the round's steps without data (its share of the round's mean zeros, not
+counted, and no batch of the data cursor's), takes that state before the round's mean, and comes out of the mean
+level with the others (summary `membership`: `healed_behind`).
+
 The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
 """
@@ -66,8 +72,27 @@ def fingerprint(state: dict[str, Any]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _packed(state: dict[str, Any]) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpacked(payload: torch.Tensor) -> dict[str, Any]:
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
+PROGRESS_BYTES = 1 << 20  # the most a state without its tensors (step, data position, schedule) may be
+
+
 class Live:
     """The live-membership part of a Job (only used when `run.membership = "live"`)."""
+
+    # a round sat out by the joiners whose state comes behind the others' steps: (the step it ends before, how many)
+    _sitting_out: tuple[int, int] | None = None
+    _coming: tuple[Any, int, int, int] | None = None  # (a joiner's) its line, source rank, byte limit, source id
+    _sending: list[Any]  # (a source's) the sends of that state under way, and what they send
+    _epoch_samples = 0  # the samples of an epoch's order (the loader's), where the data cursor turns over
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
@@ -197,8 +222,38 @@ class Live:
                 self._stopping = True
             if not answer.any(0):
                 self._boundary_at = self.step
-                return
+                if self._coming is None or self._sat_out():
+                    return
+                continue  # the round sat out failed: re-formed and healed, the boundary is taken again
             self._regroup(failed=False)
+
+    def _sat_out(self) -> bool:
+        """A joiner whose state comes behind the others' steps takes the round's steps without data (its share
+        of the round's mean zeros, not counted), takes that state before the round's mean, and comes out of the
+        mean level with the others. False when a peer went meanwhile (re-formed and healed)."""
+        until = self._sitting_out[0]
+        try:
+            while self.step < until and not self.stopped:
+                if self.step == until - 1:  # the round's mean comes at the end of this step
+                    self._take_state_behind()
+                self._step_without_data()
+            if self._coming is not None:  # the run ended within the round: its last mean needs the state too
+                self._take_state_behind()
+            return True
+        except CommError:
+            self._regroup(failed=True)
+            return False
+
+    def _step_without_data(self) -> None:
+        """One step of a round sat out: the strategy's exchanges with zeros of this member's, the schedule and the
+        data cursor moved as on the members that train (they take the batches)."""
+        self.driver.null_step()
+        if self.schedule is not None:
+            self.schedule.step()
+        taken = self.samples_per_step
+        if self._epoch_samples and self.data_cursor + taken > self._epoch_samples:  # (the loader's turn-over)
+            self.data_epoch, self.data_cursor = self.data_epoch + 1, 0
+        self.data_cursor += taken
 
     def _run_time(self, trained_s: float) -> float:
         """The run's training time when this member's clock reads `trained_s`: a joiner's clock starts at its
@@ -258,25 +313,19 @@ class Live:
     def _optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict() if self.sharded is None else local_optimizer_state(self.optimizer)
 
-    def _state(self) -> dict[str, Any]:
+    def _progress(self) -> dict[str, Any]:
+        """Where the run stands: what a member needs to take the next step with the others."""
         schedule = self.schedule.state_dict() if self.schedule is not None else self._schedule_state
-        return {
-            "model": {k: v.detach().cpu() for k, v in self._own_model().state_dict().items()},
-            "optimizer": self._optimizer_state(),
-            "step": self.step,
-            "data": [self.data_epoch, self.data_cursor],
-            "samples": self.samples_trained,
-            "run_time_s": self._run_time(self.clock.now()),
-            "schedule": schedule,
-            "strategy": self.strategy.state_dict(),
-        }
+        return {"step": self.step, "data": [self.data_epoch, self.data_cursor], "samples": self.samples_trained,
+                "run_time_s": self._run_time(self.clock.now()), "schedule": schedule}  # fmt: skip
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        self._own_model().load_state_dict(state["model"])  # (a view's: into the local shards' own memory)
-        if self.sharded is None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            load_local_optimizer_state(self.optimizer, state["optimizer"])
+    def _holdings(self) -> dict[str, Any]:
+        """What a member holds: its weights, its optimizer's state, its strategy's state, and their fingerprint."""
+        return {"model": {k: v.detach().cpu() for k, v in self._own_model().state_dict().items()},
+                "optimizer": self._optimizer_state(), "strategy": self.strategy.state_dict(),
+                "fingerprint": fingerprint(self._model_state())}  # fmt: skip
+
+    def _load_progress(self, state: dict[str, Any]) -> None:
         self.driver.step = state["step"]
         self.data_epoch, self.data_cursor = state["data"]
         self.samples_trained = state["samples"]
@@ -285,7 +334,35 @@ class Live:
         if self.schedule is not None and state["schedule"] is not None:
             self.schedule.load_state_dict(state["schedule"])
         self._schedule_state = state["schedule"]
+
+    def _load_holdings(self, state: dict[str, Any]) -> None:
+        self._own_model().load_state_dict(state["model"])  # (a view's: into the local shards' own memory)
+        if self.sharded is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_local_optimizer_state(self.optimizer, state["optimizer"])
+        if self.schedule is not None:  # (the optimizer's state carries its learning rates of when it was sent)
+            for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
+                group["lr"] = lr
         self.strategy.load_state_dict(state["strategy"])
+        self._holds_state = True
+
+    def _healed_record(self, source: int, fingerprint_of_source: str, **more: Any) -> None:
+        if self.generation.number:  # (generation 0: the founders' first weights)
+            self.records.add({"worker": self.rank, "kind": "healed", "step": self.step,
+                              "time_s": round(self.clock.now(), 4), "from": source,
+                              "generation": self.generation.number, "fingerprint": fingerprint(self._model_state()),
+                              "source_fingerprint": fingerprint_of_source, **more})  # fmt: skip
+
+    def _take_state_behind(self) -> None:
+        """(A joiner sitting a round out) the state its source sent when the round began, behind its own steps."""
+        channel, source, limit, source_id = self._coming
+        self._coming = None
+        started = timing.now()
+        _, payload = channel.recv_bytes(source, limit=limit)
+        state = _unpacked(payload)
+        self._load_holdings(state)
+        self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4))
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
@@ -302,8 +379,9 @@ class Live:
         # a sharded replica heals shard for shard: shard k of every replica together, over their own group
         world = self.world if self.shards == 1 else self.groups.replicate
         started, me = timing.now(), world.index()
+        self._sitting_out, self._coming, self._sending = None, None, []  # (what the last generation had under way)
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
-        new = 0 if not fresh else 1 if self._holds_state else 2  # (2: a joiner that holds nothing yet)
+        new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
         with world.unmetered():
             rows = control.gathered(world, torch.tensor([self.rank, self.step, new, shared], dtype=torch.int64))
         holders = (rows[:, 2] != 2).nonzero().flatten()
@@ -318,32 +396,48 @@ class Live:
         behind = late.nonzero().flatten().tolist()
         sources = (~late).nonzero().flatten().tolist()
         source_of = {member: sources[j % len(sources)] for j, member in enumerate(behind)}
+        # joiners that sit out the round starting here, their state sent behind the others' steps (not a sharded
+        # replica's, nor a simulated member's: their heals stay whole)
+        until = None if self.shards > 1 or self.simulated else self.strategy.sits_out_from(int(rows[first, 1]))
+        behind_steps = [m for m in behind if until is not None and int(rows[m, 2]) == 2]
+        if behind_steps:
+            self._sitting_out = (until, len(behind_steps))
+            channel = world.separate_group()  # (collective) the states' own line, beside the round's exchanges
         sent = 0
         # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
         # later catch-up is real traffic that churn costs (over emulated links, it takes their time)
         metered = world.unmetered() if self.generation.number == 0 else contextlib.nullcontext()
         mine = [member for member, source in source_of.items() if source == me]
+        # a whole state: the weights, the optimizer's moments, the strategy's anchors and memories
+        limit = limit_for(self._own_model().state_dict(), times=8)
         if mine:
-            buffer = io.BytesIO()
-            torch.save({**self._state(), "fingerprint": fingerprint(self._model_state())}, buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            progress, holdings = self._progress(), self._holdings()
+            whole = _packed({**progress, **holdings}) if set(mine) - set(behind_steps) else None
+            parts = (_packed(progress), _packed(holdings)) if set(mine) & set(behind_steps) else None
             with metered:
                 for member in mine:
-                    world.send_bytes(payload, world.ranks[member])
-            sent = payload.numel() * len(mine)
+                    if member in behind_steps:  # where the run stands now; its weights behind the next steps
+                        world.send_bytes(parts[0], world.ranks[member])
+                        length = torch.tensor([parts[1].numel()], dtype=torch.int64)
+                        self._sending += [channel.isend(length, world.ranks[member]),
+                                          channel.isend(parts[1], world.ranks[member]), length, parts[1]]  # fmt: skip
+                        sent += parts[0].numel() + parts[1].numel()
+                    else:
+                        world.send_bytes(whole, world.ranks[member])
+                        sent += whole.numel()
         elif me in source_of:
+            source, source_id = world.ranks[source_of[me]], int(rows[source_of[me]][0])
             with metered:
-                # a whole state: the weights, the optimizer's moments, the strategy's anchors and memories
-                limit = limit_for(self._own_model().state_dict(), times=8)
-                _, payload = world.recv_bytes(world.ranks[source_of[me]], limit=limit)
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-            self._load_state(state)
-            self._holds_state = True
-            if self.generation.number:  # (generation 0: the founders' first weights)
-                self.records.add({"worker": self.rank, "kind": "healed", "step": self.step,
-                                  "time_s": round(self.clock.now(), 4), "from": int(rows[source_of[me]][0]),
-                                  "generation": self.generation.number, "fingerprint": fingerprint(self._model_state()),
-                                  "source_fingerprint": state["fingerprint"]})  # fmt: skip
+                if me in behind_steps:  # its weights taken before the round's mean, as the others step (`_sat_out`)
+                    _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
+                    self._load_progress(_unpacked(progress))
+                    self._coming = (channel, source, limit, source_id)
+                else:
+                    _, payload = world.recv_bytes(source, limit=limit)
+                    state = _unpacked(payload)
+                    self._load_progress(state)
+                    self._load_holdings(state)
+                    self._healed_record(source_id, state["fingerprint"])
         if behind:  # every catch-up is done: what each source sent
             with world.unmetered():
                 sent = int(control.gathered(world, torch.tensor([sent], dtype=torch.int64)).sum())
@@ -367,6 +461,7 @@ class Live:
                 "left": [entry for g in skipped for entry in g.left if entry["member"] in gone],
                 "healed": [int(rows[i][0]) for i in behind],
                 "healed_from": [int(rows[source_of[i]][0]) for i in behind],
+                "healed_behind": [int(rows[i][0]) for i in behind_steps],  # (their state came behind the steps)
                 "catch_up_bytes": sent,
                 "catch_up_s": round(timing.now() - started, 4),
             })  # fmt: skip

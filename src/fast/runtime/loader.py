@@ -222,11 +222,12 @@ class ShardedLoader:
         self.epoch = job.data_epoch
         order = _shared_order(len(self.shard), job.config.run.seed, self.epoch) if self.shuffle else self.shard
         self.taken = 0
+        job._epoch_samples = len(order)
         while not job.stopped:
             job._membership_boundary()  # the members switch (and heal) before the batch is chosen
             if job.stopped or job.data_epoch != self.epoch:
                 return
-            if job.data_cursor + job.workers * b > len(order):  # the epoch is over, for every member at once
+            if job.data_cursor + job.samples_per_step > len(order):  # the epoch is over, for every member at once
                 job.data_epoch, job.data_cursor = job.data_epoch + 1, 0
                 return
             start = job.data_cursor + job.world.index() // job.shards * b + self.part  # (a shard's slice)

@@ -210,6 +210,12 @@ class Strategy:
         """Whether the membership may change before step `step` (0-based): the base, any step."""
         return True
 
+    def sits_out_from(self, step: int) -> int | None:
+        """A joiner entering at change point `step` while its state comes in the background sits out steps `step`
+        up to the one returned (excluded), taking part in their exchanges without data (fast.runtime.live); None:
+        a joiner takes its whole state before the others go on (the base)."""
+        return None
+
     def shared_state(self) -> Any:
         """What every member of a live membership holds alike at a change point: a member whose copy differs (a
         round that failed on some members and not on others) is healed. Replicas that stay identical: the model

@@ -50,6 +50,7 @@ class DiLoCo(PeriodicAveraging):
     name = "diloco"
     Options = DiLoCoOptions
     catch_up_copies = 2.0  # θ and the outer momentum
+    background_heal = True  # (θ and its momentum from the round's start, then the round's mean as every worker)
     cost_options = PeriodicAveraging.cost_options | {"eager"}
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -29,6 +29,7 @@ class LocalSGDOptions(WarmupOptions):
 class LocalSGD(PeriodicAveraging):
     name = "local-sgd"
     Options = LocalSGDOptions
+    background_heal = True
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().setup(model, optimizer)

@@ -83,6 +83,17 @@ class PeriodicAveraging(Strategy):
             tensor.copy_(mean)
         return mean is not None
 
+    background_heal: ClassVar[bool] = False  # a joiner may sit out its first round while its state comes
+
+    def sits_out_from(self, step: int) -> int | None:
+        """A round's mean over the workers that moved brings a worker that sat the round out (its share zeros, not
+        counted) level with the others, provided it holds the state the round started from: so a joiner sits out
+        the round starting at `step` while that state comes behind the others' steps, and takes it before the
+        round's mean. Not with a codec (its error feedback is every worker's own) nor an exchange running behind."""
+        if not self.background_heal or self.compressed is not None or self.in_background() or self.warming_up(step):
+            return None
+        return step + self.options.period if self.change_point(step) else None
+
     def change_point(self, step: int) -> bool:
         """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""
         return self.warming_up(step) or self.local_steps(step - 1) % self.options.period == 0
