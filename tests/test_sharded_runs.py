@@ -2,7 +2,8 @@
 `fast train`, `fast run` and torchrun, real processes over gloo on the CPU. tests/test_shards.py proves the core
 (HSDP's sync against DDP over 4 processes, diloco on local shards, DCP checkpoints, the gathered state); here the wired
 path equals the unsharded one, each family trains the digits job, model.pt loads into the user's class, a checkpoint
-resumes exactly and at K = 1, and every strategy that cannot take shards says why in one line.
+resumes exactly and at K = 1, emulated links join replicas (counted per replica link) and a crash ends a replica, and
+every strategy that cannot take shards says why in one line.
 
 The differences against K = 1 are float32 summation order (FSDP2's reduce-scatter inside the replica, then the
 replicas' all-reduce); measured here as the largest over tensors of max|a - b| / max|b| of model.pt, with margin in

@@ -29,8 +29,8 @@ from fast.comm import tags, timing
 from fast.comm.arrivals import peers_fractions
 from fast.comm.comm import limit_for
 from fast.comm.timeline import chrome_trace, shares
-from fast.emulation.deployment import describe as describe_deployment
 from fast.emulation.deployment import bytes_per_link, emulated, record_of
+from fast.emulation.deployment import describe as describe_deployment
 from fast.errors import CommError, ConfigError, UsageError
 from fast.runtime import checkpoints as checkpoint
 from fast.runtime import files
