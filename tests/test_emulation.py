@@ -358,6 +358,9 @@ def test_an_emulated_run_records_its_deployment_and_prediction(tmp_path, monkeyp
     assert ranks[0]["straggler_pauses"] == expected
     assert summary["predicted_step_time_s"] > 0
     assert summary["bytes_sent"] > 0 and summary["final_test_accuracy"] is not None
+    links = deployment["bytes_per_link"]  # every byte counted is on the link from its sender to its peer
+    assert [(link["src"], link["dst"]) for link in links] == [(0, 1), (1, 0)]
+    assert sum(link["bytes"] for link in links) == summary["bytes_sent"]
 
 
 def _crash_child(events_file, crash_step, crash_time_s):

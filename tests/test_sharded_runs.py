@@ -2,7 +2,8 @@
 `fast train`, `fast run` and torchrun, real processes over gloo on the CPU. tests/test_shards.py proves the core
 (HSDP's sync against DDP over 4 processes, diloco on local shards, DCP checkpoints, the gathered state); here the wired
 path equals the unsharded one, each family trains the digits job, model.pt loads into the user's class, a checkpoint
-resumes exactly and at K = 1, and every strategy that cannot take shards says why in one line.
+resumes exactly and at K = 1, emulated links join replicas (counted per replica link) and a crash ends a replica, and
+every strategy that cannot take shards says why in one line.
 
 The differences against K = 1 are float32 summation order (FSDP2's reduce-scatter inside the replica, then the
 replicas' all-reduce); measured here as the largest over tensors of max|a - b| / max|b| of model.pt, with margin in
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -81,6 +83,42 @@ def test_each_family_trains_the_digits_job_sharded_and_model_pt_loads_into_the_u
     assert {r["worker"] for r in records} == {0, 1, 2, 3}  # every process of the two replicas records
 
 
+def test_emulated_links_carry_the_replicas_exchange_shard_by_shard_and_count_it_per_replica_link(tmp_path):
+    """[network] between 2 replicas of 2 shards: shard k of one replica exchanges its shard with shard k of the other
+    on a lane of the replica link (half its bandwidth); FSDP2's traffic inside a replica crosses no emulated link."""
+    steps, bandwidth = 10, 20e6 / 8  # 20 Mbit
+    slow = {"run__max_steps": steps, "network__bandwidth": "20Mbit", "network__latency": "5ms"}
+    one, two = _at_one_and_two(tmp_path, **slow)
+    assert two["deployment"]["network"]["shards"] == 2 and len(two["deployment"]["per_rank"]) == 4
+    links = {(link["src"], link["dst"]): link["bytes"] for link in two["deployment"]["bytes_per_link"]}
+    whole = {(link["src"], link["dst"]): link["bytes"] for link in one["deployment"]["bytes_per_link"]}
+    # the same gradients cross each replica link as the whole workers' link, FSDP2's shards unpadded (33 rows: 17 and
+    # 16), plus the count of contributors each shard's all-reduce carries (4 bytes a step; one for a whole worker)
+    assert set(links) == set(whole) == {(0, 1), (1, 0)}  # (measured: 2,033,120 and 2,033,080 bytes each way)
+    assert all(links[pair] - whole[pair] == steps * 4 for pair in links)
+    assert sum(links.values()) == two["bytes_sent"]
+    # each shard sends its half on its lane (half the bandwidth): a replica's exchange takes the whole link's time,
+    # as the whole workers' does. A floor, which the emulation never undercuts (measured: 0.93 s and 0.99 s blocked)
+    for summary, sent in ((one, whole[0, 1]), (two, links[0, 1])):
+        assert summary["time_blocked_share"] * summary["wall_time_s"] >= sent / bandwidth
+
+
+def test_an_injected_crash_of_a_worker_ends_the_processes_of_its_replica(tmp_path, no_orphans):
+    with pytest.raises(WorkerFailed, match=r"worker [23] exited with code 1"):  # (processes 2 and 3: replica 1)
+        fast.train(None, out=str(tmp_path), run__shards=2, run__max_steps=20, faults__crash=[{"worker": 1, "step": 3}],
+                   **DIGITS)  # fmt: skip
+    faults = {}
+    for process in range(4):
+        file = tmp_path / "workers" / f"metrics-{process}.jsonl"
+        events = [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+        faults[process] = [e for e in events if e.get("kind") == "fault"]
+    # each of replica 1's processes crashes at step 3 (measured: both record it; one the launcher stopped first would
+    # not), and no process of replica 0
+    crash = {"kind": "fault", "fault": "crash", "time_s": ANY, "step": 3}
+    assert faults[0] == faults[1] == [] and (faults[2] or faults[3])
+    assert all(faults[process] in ([], [{"worker": process, **crash}]) for process in (2, 3))
+
+
 def _crash(model, x, y):
     """Process 3 (replica 1's shard 1) dies at its CRASH_AT-th step, in the first life."""
     _crash.calls += 1
@@ -144,7 +182,10 @@ def test_a_strategy_that_cannot_take_shards_refuses_them_in_one_line(strategy):
             "run.membership = 'live' and this strategy",
         ),  # (sync, local-sgd and diloco take it: test_sharded_membership)
         ({"run__engine": "simulated"}, 'run.engine = "simulated"'),
-        ({"compute__slowdown": [1.0, 2.0]}, "[network], [compute] or [faults]"),
+        (
+            {"run__membership": "live", "faults__churn": {"lifetime": "20s", "absence": "5s"}},
+            "[faults] churn",
+        ),  # ([network], [compute] and [faults] crash or link_down apply to replicas: test_emulated_links_...)
         ({"run__batch_size": 33}, "run.batch_size = 33 does not split"),
     ],
 )

@@ -1,7 +1,8 @@
 """Sharded replicas (fast.shards) over real processes, gloo on the CPU: W = 2 replicas of K = 2 shards under FAST's own
 `sync` equal DDP over 4 processes, under `diloco` equal W = 2 unsharded workers and torchft's DiLoCo over the same
 FSDP2 model (where torchft is installed); the gathered state loads into the user's class; DCP checkpoints resume bit
-for bit at the same K and at K = 1 from K = 2; a model the user sharded is taken as it is.
+for bit at the same K and at K = 1 from K = 2; a model the user sharded is taken as it is; under emulated links a shard
+exchanges on its lane of the replica link and nothing inside a replica crosses one.
 
 The differences are float32 summation order (FSDP2's reduce-scatter inside the replica, then the replicas' all-reduce,
 add in another order than DDP's one all-reduce). Measured here on the test model as the largest over tensors of
@@ -9,6 +10,7 @@ max|a - b| / max|b|; the bounds below have margin over what was measured (in the
 """
 
 import importlib.util
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,9 +21,12 @@ from torch import nn
 
 from fast.assemble import load_config
 from fast.comm import Comm
+from fast.emulation.deployment import machine_for, network_for
+from fast.emulation.links import IDEAL, EmulatedLink, LinkTable, Outage, ReplicaLinks
+from fast.emulation.network import EmulatedComm
 from fast.errors import ConfigError, UsageError
 from fast.jobs.models import build_model
-from fast.shards import Layout, ShardedReplica, blocks
+from fast.shards import Layout, ShardedReplica, blocks, form_groups
 from fast.shards import checkpoint as sharded_checkpoint
 from fast.strategies import StrategyContext, build_strategy
 from fast.strategies.flat import FlatState
@@ -307,6 +312,63 @@ def test_a_checkpoint_resumes_bit_for_bit_at_the_same_k_and_reshards_to_k_one(tm
         # the same 3 steps from there at K = 1: the replica's batch whole, summed in another order
         assert _relative(each["at_one"], each["uninterrupted"]) < SYNC_BOUND  # measured: 2.1e-7
         assert any(v.abs().sum() > 0 for v in each["exp_avg"].values())  # AdamW's moments came back too
+
+
+# -- emulated links between replicas ----------------------------------------------------------------------------------
+LANE_BPS = 1e6  # the replica link: 8 Mbit, 2 lanes of 4 Mbit (one per shard index)
+LINK_LATENCY_S = 0.01
+
+
+def test_a_sharded_runs_processes_see_the_links_between_their_replicas_and_none_inside_one():
+    table = LinkTable(3, EmulatedLink(0.02, 1e6), {(0, 2): EmulatedLink(0.1, 4e5)}, [Outage(0, 1, 5.0, 9.0)])
+    links = ReplicaLinks(table, shards=2, worker_processes=6)  # replicas 0, 1, 2 of 2 processes; no server
+    assert [links.named(p) for p in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert links.link(0, 1) == links.link(3, 2) == IDEAL  # inside a replica: no time at all
+    assert links.link(1, 3) == EmulatedLink(0.02, 5e5)  # between replicas: the link's latency, half its bandwidth
+    assert links.link(0, 4) == EmulatedLink(0.1, 2e5) and links.link(5, 1) == EmulatedLink(0.02, 5e5)
+    assert links.up_again_at(1, 2, 6.0) == 9.0 and links.up_again_at(0, 1, 6.0) == 6.0  # outages between replicas
+    with_server = ReplicaLinks(LinkTable(3, EmulatedLink(0.0, 1e6)), shards=2, worker_processes=4)
+    assert with_server.named(4) == 2 and with_server.link(1, 4).bandwidth_Bps == 1e6  # (a server's lines: its own)
+
+
+def test_a_sharded_replicas_processes_take_their_workers_emulated_machine():
+    config = load_config(None, run__workers=2, run__shards=2, compute__slowdown=[1.0, 3.0],
+                         compute__straggler_probability=0.5, faults__crash=[{"worker": 1, "step": 7}])  # fmt: skip
+    plans = [machine_for(config, rank).plan for rank in range(4)]
+    assert [(p.worker, p.slowdown, p.crash_step) for p in plans] == [(0, 1.0, None), (0, 1.0, None), (1, 3.0, 7),
+                                                                      (1, 3.0, 7)]  # fmt: skip
+    # a replica's processes pause at the same steps (their worker's draws), and the replicas at different ones
+    pauses = [[step for step in range(40) if p.pause_s(step)] for p in plans]
+    assert pauses[0] == pauses[1] and pauses[2] == pauses[3] and pauses[0] != pauses[2]
+
+
+def _emulated_groups(comm: Comm, numel: int) -> dict:
+    config = load_config(None, run__workers=W, run__shards=K, network__bandwidth=f"{LANE_BPS * K * 8:g}bit",
+                         network__latency=f"{LINK_LATENCY_S * 1000:g}ms")  # fmt: skip
+    network = network_for(config, W * K, comm.rank)
+    groups = form_groups(EmulatedComm(network=network, deadline_s=comm.deadline_s, device="cpu"), K)
+    flag = torch.ones(1)
+    groups.shard.all_reduce(flag)  # inside the replica (as a step's agreement on a flag): native
+    inside = network.messages
+    started = time.monotonic()
+    groups.replicate.all_reduce(torch.ones(numel))  # between replicas: a ring of two, on this shard's lane
+    return {"kinds": (type(groups.shard).__name__, type(groups.replicate).__name__), "inside": inside,
+            "between": network.messages - inside, "seconds": time.monotonic() - started,
+            "sent": groups.replicate.counter.snapshot()["sent_per_peer"],
+            "shard_sent": groups.shard.counter.bytes_sent}  # fmt: skip
+
+
+def test_a_shard_exchanges_on_its_lane_of_the_replica_link_and_inside_its_replica_at_full_speed():
+    numel = 50_000  # 200 kB a shard: two messages of 100 kB each way on a lane of 1 MB/s
+    out = run_distributed(_emulated_groups, W * K, numel)
+    for rank, each in out.items():
+        assert each["kinds"] == ("Comm", "EmulatedReplicateComm")
+        assert each["inside"] == 0 and each["between"] == 2  # no message of the replica's own on an emulated link
+        assert each["sent"] == {str(rank ^ 2): numel * 4} and each["shard_sent"] == 4
+        # each message takes its latency and 100 kB at 1 MB/s (half the link): 0.22 s (measured: 0.222 s); at the
+        # whole link's 8 Mbit it would be 0.12 s. Never less (the emulation waits until then); the upper bound only
+        # catches a hang
+        assert 2 * (LINK_LATENCY_S + numel * 2 / LANE_BPS) <= each["seconds"] < 5.0, each["seconds"]
 
 
 # -- a model the user sharded; bad inputs ------------------------------------------------------------------------------

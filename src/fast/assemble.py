@@ -153,9 +153,9 @@ def check_shards(config: Config) -> None:
             "are not made to carry their state across a re-form of a sharded replica yet)",
         ),
         'run.engine = "simulated"': (run.engine == "simulated", "FSDP2 shards over real process groups"),
-        "[network], [compute] or [faults]": (
-            config.network is not None or config.compute is not None or config.faults is not None,
-            "emulation names worker processes, and a sharded run's workers are replicas of K processes",
+        "[faults] churn": (
+            config.faults is not None and config.faults.churn is not None,
+            "churn draws a stay for each member, and a sharded run's members come and go as replicas of K processes",
         ),
     }
     for key, (set_, why) in refused.items():

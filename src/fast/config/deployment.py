@@ -22,6 +22,8 @@
 
 No `[network]` table means native communication, untouched. Ranks are global: parameter servers (ranks
 from run.workers on) may be placed in sites, links and faults too; ranks in no site use the top-level link.
+In a sharded run (`run.shards` > 1) a rank names a worker, which is a replica of K processes (its links join
+replicas, its compute and crashes are all of its processes': fast.emulation.links.ReplicaLinks, docs/sharded.md).
 Times of faults count from the common start of training. Every random draw is keyed by run.seed.
 """
 

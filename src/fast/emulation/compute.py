@@ -34,9 +34,11 @@ SPREAD_WARMUP_STEPS = 5  # a worker's first steps carry one-off costs (allocatio
 
 @dataclass(frozen=True)
 class MachinePlan:
-    """What the machine of process `rank` does to it (the defaults do nothing)."""
+    """What the machine of process `rank` does to it (the defaults do nothing). Its draws are `worker`'s (default
+    `rank`): a sharded replica's processes draw alike, their worker's."""
 
     rank: int
+    worker: int | None = None
     seed: int = 0
     slowdown: float = 1.0
     straggler_probability: float = 0.0
@@ -46,18 +48,22 @@ class MachinePlan:
     crash_step: int | None = None
     crash_time_s: float | None = None
 
+    @property
+    def drawn_for(self) -> int:
+        return self.rank if self.worker is None else self.worker
+
     def factor(self, step: int) -> float:
         """This step's compute time factor: the slowdown, times a capped Pareto(heavy_tail) draw."""
         if self.heavy_tail <= 0:
             return self.slowdown
-        u = uniform(self.seed, self.rank, step, "heavy-tail")
+        u = uniform(self.seed, self.drawn_for, step, "heavy-tail")
         return self.slowdown * min(self.heavy_tail_max, (1.0 - u) ** (-1.0 / self.heavy_tail))
 
     def pause_s(self, step: int) -> float:
         """This step's straggler pause: `straggler_pause_s` with probability `straggler_probability`."""
         if self.straggler_probability <= 0:
             return 0.0
-        hit = uniform(self.seed, self.rank, step, "straggler") < self.straggler_probability
+        hit = uniform(self.seed, self.drawn_for, step, "straggler") < self.straggler_probability
         return self.straggler_pause_s if hit else 0.0
 
 
@@ -177,7 +183,9 @@ class EmulatedMachine:
             self.events_file.parent.mkdir(parents=True, exist_ok=True)
             with self.events_file.open("a") as f:
                 f.write(json.dumps(event) + "\n")
-        print(f"fast: worker {self.plan.rank} crashed {where} (fault injected by [faults] crash)", file=sys.stderr)
+        plan = self.plan
+        who = f"worker {plan.rank}" if plan.drawn_for == plan.rank else f"process {plan.rank} of worker {plan.worker}"
+        print(f"fast: {who} crashed {where} (fault injected by [faults] crash)", file=sys.stderr)
         sys.stderr.flush()
         return where
 

@@ -62,13 +62,29 @@ def link_table(config: Config, size: int) -> LinkTable:
     return LinkTable(size=size, default=lan, links=links, outages=outages)
 
 
-def network_for(config: Config, size: int, rank: int) -> Network | None:
-    """This process's emulated network, or None when the run's links are native."""
+def network_for(config: Config, size: int, rank: int, worker_processes: int | None = None) -> Network | None:
+    """Process `rank`'s emulated network among `size` processes, or None when the run's links are native. In a
+    sharded run (`run.shards` = K > 1) the first `worker_processes` (default: all) are its replicas' processes, K
+    to a replica, and [network] names replicas (fast.emulation.links.ReplicaLinks)."""
     if config.network is None:
         return None
+    from fast.emulation.links import ReplicaLinks
     from fast.emulation.network import Network
 
-    return Network(link_table(config, size), rank, config.run.seed)
+    k = config.run.shards
+    if k == 1:
+        return Network(link_table(config, size), rank, config.run.seed)
+    workers = size if worker_processes is None else worker_processes
+    table = link_table(config, size - workers + workers // k)
+    return Network(ReplicaLinks(table, k, workers), rank, config.run.seed)
+
+
+def worker_of(config: Config, rank: int, worker_processes: int | None = None) -> int:
+    """The rank [compute] and [faults] name process `rank` by: itself, or in a sharded run its replica (a server's
+    after the replicas), out of `worker_processes` (default: run.workers × run.shards)."""
+    k = config.run.shards
+    workers = config.run.workers * k if worker_processes is None else worker_processes
+    return rank if k == 1 else rank // k if rank < workers else rank - workers + workers // k
 
 
 def comm_maker(network: Network | None, piece_kb: int = 0) -> Callable[..., Comm]:
@@ -95,20 +111,23 @@ def machine_for(
     config: Config, rank: int, events_file: Path | None = None, *, simulated: bool = False
 ) -> EmulatedMachine:
     """The emulated machine under process `rank`: its slowdown, stragglers and crash (all off by default); in a
-    simulation, the machine that charges each step its compute in virtual time."""
+    simulation, the machine that charges each step its compute in virtual time. A sharded replica's K processes
+    take their worker's: the same slowdown, the same draws, the same crash (each of them crashes)."""
     from fast.emulation.compute import EmulatedMachine, MachinePlan
 
     compute, faults = config.compute, config.faults
-    crashes = [c for c in (faults.crash if faults is not None else []) if c.worker == rank]
+    worker = worker_of(config, rank)
+    crashes = [c for c in (faults.crash if faults is not None else []) if c.worker == worker]
     steps = [c.step for c in crashes if c.step is not None]
     times = [parse_duration(c.time) for c in crashes if c.time is not None]
     plan = MachinePlan(
         rank=rank,
+        worker=worker,
         seed=config.run.seed,
-        slowdown=slowdown_of(config, rank),
-        straggler_probability=compute.straggler_probability if compute and rank < config.run.workers else 0.0,
+        slowdown=slowdown_of(config, worker),
+        straggler_probability=compute.straggler_probability if compute and worker < config.run.workers else 0.0,
         straggler_pause_s=parse_duration(compute.straggler_pause) if compute else 0.0,
-        heavy_tail=compute.heavy_tail if compute and rank < config.run.workers else 0.0,
+        heavy_tail=compute.heavy_tail if compute and worker < config.run.workers else 0.0,
         heavy_tail_max=compute.heavy_tail_max if compute else 20.0,
         crash_step=min(steps) if steps else None,
         crash_time_s=min(times) if times else None,
@@ -132,12 +151,29 @@ def describe(config: Config, per_rank: list[dict[str, Any]]) -> dict[str, Any] |
     saw happen (straggler pauses, lost messages, waits for down links); None for a native run."""
     if not emulated(config):
         return None
+    k = config.run.shards  # (a sharded run's table names its replicas, K processes each: fast.emulation.links)
+    network = link_table(config, len(per_rank) // k).describe() if config.network is not None else "native"
     return {
-        "network": link_table(config, len(per_rank)).describe() if config.network is not None else "native",
+        "network": network if k == 1 or network == "native" else {**network, "shards": k},
         "compute": config.compute.model_dump(mode="json") if config.compute is not None else None,
         "faults": config.faults.model_dump(mode="json", exclude_none=True) if config.faults is not None else None,
         "per_rank": per_rank,
     }
+
+
+def bytes_per_link(config: Config, everyone: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """The bytes each worker sent each other worker (`src`, `dst`: ranks as [network] names them; a sharded run's
+    replicas, their processes' counts summed), from every process's byte counter (its figures' `rank` and
+    `counter`). A fixed run's: a live run's counters name peers by their places in changing groups."""
+    totals: dict[tuple[int, int], int] = {}
+    processes = sum(not p["server"] for p in everyone)
+    for figures in everyone:
+        src = worker_of(config, figures["rank"], processes)
+        for peer, sent in figures["counter"]["sent_per_peer"].items():
+            dst = worker_of(config, int(peer), processes)
+            if dst != src:  # (a sharded replica's traffic inside it is its own, not on a link)
+                totals[(src, dst)] = totals.get((src, dst), 0) + sent
+    return [{"src": src, "dst": dst, "bytes": sent} for (src, dst), sent in sorted(totals.items())]
 
 
 def record_of(machine: EmulatedMachine, world: Comm) -> dict[str, Any]:

@@ -2,14 +2,15 @@
 
 A `LinkTable` answers, for a message from one global rank to another, which `EmulatedLink` it travels on
 and whether that link is down at a given time. It knows nothing about configs: `fast.emulation.deployment` builds
-it from the `[network]` and `[faults]` tables.
+it from the `[network]` and `[faults]` tables. A sharded run's processes see its table through `ReplicaLinks`, which
+names replicas where the table names workers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,43 @@ class LinkTable:
             ],
             "outages": [{"a": o.a, "b": o.b, "start_s": o.start_s, "end_s": o.end_s} for o in self.outages],
         }
+
+
+IDEAL = EmulatedLink(latency_s=0.0, bandwidth_Bps=math.inf)  # no time at all: traffic inside a sharded replica
+
+
+@dataclass(frozen=True)
+class ReplicaLinks:
+    """The links among the processes of a sharded run (`run.shards` = K > 1), from `table`, whose ranks are its
+    workers (replicas) and then its servers. Of the `worker_processes` (W×K) ranks, process p is shard p % K of
+    replica p // K; a server's rank comes after them (process W·K + j is the table's W + j).
+
+    - Inside a replica: `IDEAL`, no emulated time. (FSDP2's all-gathers and reduce-scatters run on the replica's own
+      group, which no emulated link carries; this is what the rest of a replica's traffic on emulated groups takes.)
+    - Between two replicas: their link in `table`, shared by the K shard pairs that use it as K lanes: each lane has
+      the link's latency, jitter and loss and 1/K of its bandwidth. The shards of a replica exchange their 1/K of the
+      model at once, so a replica's exchange over a link takes what a whole worker's takes over the same link.
+    - Outages: the table's, between replicas.
+    """
+
+    table: LinkTable
+    shards: int
+    worker_processes: int
+
+    def named(self, process: int) -> int:
+        """The rank `table` knows process `process` by: its replica, or a server's rank."""
+        if process < self.worker_processes:
+            return process // self.shards
+        return process - self.worker_processes + self.worker_processes // self.shards
+
+    def link(self, src: int, dst: int) -> EmulatedLink:
+        a, b = self.named(src), self.named(dst)
+        if a == b:
+            return IDEAL
+        link = self.table.link(a, b)
+        lanes = self.shards if max(src, dst) < self.worker_processes else 1  # (a server's lines are its own)
+        return replace(link, bandwidth_Bps=link.bandwidth_Bps / lanes)
+
+    def up_again_at(self, src: int, dst: int, t: float) -> float:
+        a, b = self.named(src), self.named(dst)
+        return t if a == b else self.table.up_again_at(a, b, t)

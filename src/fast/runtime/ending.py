@@ -29,8 +29,8 @@ from fast.comm import tags, timing
 from fast.comm.arrivals import peers_fractions
 from fast.comm.comm import limit_for
 from fast.comm.timeline import chrome_trace, shares
+from fast.emulation.deployment import bytes_per_link, emulated, record_of
 from fast.emulation.deployment import describe as describe_deployment
-from fast.emulation.deployment import emulated, record_of
 from fast.errors import CommError, ConfigError, UsageError
 from fast.runtime import checkpoints as checkpoint
 from fast.runtime import files
@@ -593,6 +593,8 @@ class Ending:
                 summary[f"best_test_{name}"] = best(name, [e[f"test_{name}"] for e in evals if f"test_{name}" in e])
         if emulated(config):
             summary["deployment"] = describe_deployment(config, [p["deployment"] for p in everyone])
+            if config.network is not None and not self.live:
+                summary["deployment"]["bytes_per_link"] = bytes_per_link(config, everyone)
         if self.simulated:
             from fast.emulation.wire import host_figures
 

@@ -275,7 +275,9 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
                 int(os.environ["MASTER_PORT"]),
                 self.device,
                 run.deadline_s,
-                comm_maker(network_for(config, self.world_size, self.rank), run.allreduce_piece_kb),
+                comm_maker(
+                    network_for(config, self.world_size, self.rank, self.worker_processes), run.allreduce_piece_kb
+                ),
             )
         )
         partition = [list(range(self.worker_processes))]

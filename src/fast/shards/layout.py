@@ -15,7 +15,9 @@ them for every shard index at once, shard k of every replica calling with its ow
 of a replica run the same code at the same step, so their calls line up.
 
 Traffic inside a replica is FSDP2's own and is not FAST's to count: the shard group's `Comm` has a byte counter of its
-own, and what a run reports is what crosses between replicas, as it is for unsharded workers.
+own, and what a run reports is what crosses between replicas, as it is for unsharded workers. Under emulated links
+([network], fast.emulation) the same line holds: the replica groups' traffic crosses them (`EmulatedReplicateComm`, on
+the links between replicas: fast.emulation.links.ReplicaLinks), the shard group's is native, at full speed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from fast.comm import ByteCounter, Comm
+from fast.emulation.network import EmulatedComm
 from fast.errors import ConfigError
 
 
@@ -79,12 +82,14 @@ class ReplicateComm(Comm):
         super().__init__(**kwargs)
         self.layout = layout
 
-    @classmethod
-    def wrapping(cls, comm: Comm, layout: Layout) -> ReplicateComm:
-        """`comm`'s group, as a replica group's Comm."""
-        made = cls(layout, group=comm.group, deadline_s=comm.deadline_s, device=comm.device,
-                   counter=comm.counter, ranks=comm.ranks, rank=comm.rank, world_size=comm.world_size,
-                   piece_bytes=comm.piece_bytes)  # fmt: skip
+    @staticmethod
+    def wrapping(comm: Comm, layout: Layout) -> ReplicateComm:
+        """`comm`'s group, as a replica group's Comm (an emulated one's on the same emulated network)."""
+        emulated = {"network": comm.network} if isinstance(comm, EmulatedComm) else {}
+        kind = EmulatedReplicateComm if emulated else ReplicateComm
+        made = kind(layout, group=comm.group, deadline_s=comm.deadline_s, device=comm.device, counter=comm.counter,
+                    ranks=comm.ranks, rank=comm.rank, world_size=comm.world_size, piece_bytes=comm.piece_bytes,
+                    **emulated)  # fmt: skip
         made.interrupted, made.connect_s, made.busy, made.key = comm.interrupted, comm.connect_s, comm.busy, comm.key
         return made
 
@@ -97,6 +102,20 @@ class ReplicateComm(Comm):
 
     def _derived(self, *, group: Any, ranks: list[int], device: torch.device | str) -> Comm:
         return self.wrapping(super()._derived(group=group, ranks=ranks, device=device), self.layout)
+
+
+class EmulatedReplicateComm(ReplicateComm, EmulatedComm):
+    """A replica group's `Comm` whose traffic crosses the emulated links between replicas (fast.emulation.network)."""
+
+
+def native(comm: Comm) -> Comm:
+    """`comm`'s group as a plain `Comm` (with a byte counter of its own): a replica's traffic inside it crosses no
+    emulated link."""
+    plain = Comm(group=comm.group, deadline_s=comm.deadline_s, device=comm.device, counter=ByteCounter(),
+                 ranks=comm.ranks, rank=comm.rank, world_size=comm.world_size,
+                 piece_bytes=comm.piece_bytes)  # fmt: skip
+    plain.interrupted, plain.connect_s, plain.busy, plain.key = comm.interrupted, comm.connect_s, comm.busy, comm.key
+    return plain
 
 
 @dataclass
@@ -126,6 +145,6 @@ def form_groups(comm: Comm, shards: int) -> Groups:
     replicas = comm.subgroups(layout.replica_groups())
     assert shard is not None and replicas is not None  # every rank of `comm` is in one group of each partition
     replicate = ReplicateComm.wrapping(replicas, layout)
-    shard.counter = ByteCounter()  # FSDP2's traffic inside the replica is not between replicas
+    shard = native(shard)  # FSDP2's traffic inside the replica is not between replicas, nor on their links
     mesh = DeviceMesh.from_group(shard.group, comm.device.type, mesh_dim_names=("shard",))
     return Groups(layout, replicate, shard, mesh)

@@ -96,7 +96,8 @@ TABLES = {
     "codec": "How tensors are encoded on the wire; its other keys are its own ([below](#the-codecs)). Which codecs "
     "a strategy takes is in its row.",
     "network": "Emulated links ([Comparing](comparing.md#emulated-deployments)). Without this table the links are "
-    'the machine\'s own. Durations and rates are strings: `"20ms"`, `"10Mbit"`.',
+    'the machine\'s own. Durations and rates are strings: `"20ms"`, `"10Mbit"`. Ranks are workers\' (a sharded '
+    "run's replicas: [Sharded replicas](sharded.md#emulated-deployments-between-replicas)), then servers'.",
     "compute": "Emulated compute: slower machines and stragglers.",
     "faults": "Injected faults: crashes, links down, and churn (live membership).",
     "package": "A packed job from `fast pack` ([Packages](trust.md)): its model, loss and metrics come from the "
