@@ -41,10 +41,10 @@ demo: setup data
 TEST_PROCESSES ?= 2
 
 test: setup data $(TEST_STAMP)  # the tests but those marked slow: variants of a run another test already makes
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=15
 
 test-all: setup data $(TEST_STAMP)  # every test, the slow ones too (skipping those that need a GPU without one)
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile -m 'slow or not slow'
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=15 -m 'slow or not slow'
 
 bench: setup data $(TEST_STAMP)  # about 2 hours on 2 cores; each script prints its ratios and whether its target is met
 	$(PY) bench/sync_vs_ddp.py

@@ -23,6 +23,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# the files whose real multi-process runs take longest (about 1 to 4 minutes each on 2 cores), longest first: run
+# first, so that the two processes of `make test` (each taking whole files) end together
+LONGEST_FIRST = ["test_membership.py", "test_package_trust.py", "test_ddp_port.py", "test_jax.py", "test_lifetime.py",
+                 "test_churn.py", "test_pack.py", "test_sharded_runs.py", "test_bad_inputs.py", "test_loop_api.py",
+                 "test_bench_gpu.py", "test_host_reads.py", "test_sharded_membership.py"]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else 99)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
