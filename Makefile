@@ -37,7 +37,7 @@ demo: setup data
 	$(VENV)/bin/fast compare examples/demo.toml
 
 # two pytest processes, each taking whole files in turn: the suite waits on process start-ups and deadlines about as
-# long as it computes, so two overlap (on 2 cores: 21m29 against about 27 minutes in one)
+# long as it computes, so two overlap (on 2 cores, make test: 14 to 15 minutes of pytest; every test: 22 when all were make test)
 TEST_PROCESSES ?= 2
 
 test: setup data $(TEST_STAMP)  # the tests but those marked slow: variants of a run another test already makes
