@@ -3,7 +3,8 @@
 Each member, worker 0 included, stays an exponential time of mean `lifetime`, then is told to leave (through the
 membership's store: it kills itself, as a crash, or stops on SIGTERM, as a clean leave); the lowest live member
 then does worker 0's duties (fast.runtime.live); a detached run's worker 0 gathers its end, and stays. The last
-member stays too (with none, nobody would hold the run's state): its stay is drawn again. After an
+member that holds the run's state stays too (with none, the run could not go on: a joiner holds it only once
+healed, as its reports in the store say): its stay is drawn again. After an
 exponential absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like
 any joiner. The new worker is warm: the driver keeps a standby joiner ready (`fast join --standby`: imported, its
 config read, its fork server warm) and gives it its line; a new standby gets ready meanwhile. The draws are seeded by
@@ -75,7 +76,9 @@ class ChurnDriver:
             for member, at in list(self.leaves.items()):
                 if at <= now and at != float("inf") and member in self.coordinator.members:
                     staying = [m for m in self.coordinator.members if self.leaves.get(m) != float("inf")]
-                    if len(staying) <= 1:  # the last member holds the run's state: it stays, drawn again
+                    holding = [m for m in staying if m != member and self.coordinator.holds_state(m)]
+                    if not holding:  # the last member that holds the run's state stays, drawn again (a joiner
+                        # holds it once healed: a periodic joiner only at the end of the round it sits out)
                         self.leaves[member] = now + self.draws.lifetime()
                         continue
                     self.coordinator.evict(member, self.draws.how)

@@ -432,8 +432,11 @@ class Ending:
         """What a live run's summary counts of this member if it is gone by the end (`Member.report`: read on
         the heartbeat's thread, from the start, before the first group is formed)."""
         world, driver = getattr(self, "world", None), getattr(self, "driver", None)
+        # holds_state: whether it holds the run's state, so that churn may take others out (a detached worker's is
+        # on the servers: always)
         return {"rank": self.rank, "counter": world.counter.snapshot() if world is not None else None,
-                "samples": driver.samples if driver is not None else 0}  # fmt: skip
+                "samples": driver.samples if driver is not None else 0,
+                "holds_state": bool(getattr(self, "_holds_state", True))}  # fmt: skip
 
     def _changes(self) -> list[dict[str, Any]]:
         """A live run's changes of membership, as the summary lists them (kept by the store: fast.runtime.live; a

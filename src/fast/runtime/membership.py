@@ -215,6 +215,12 @@ class Coordinator:
             self._exited[member] = how
         return read_key(self.store, f"evict/{member}") is not None
 
+    def holds_state(self, member: int) -> bool:
+        """Whether `member` last said it holds the run's state (a joiner: once its heal has landed, which for the
+        periodic family is at the end of the round it sits out)."""
+        figures = reported_figures(self.store, member)
+        return figures is not None and figures.get("holds_state") is True
+
     def evict(self, member: int, how: str) -> None:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
         the run is closed or ending (its last collectives need every member: a crash then ends the run)."""
@@ -496,12 +502,7 @@ class Member:
 
     def figures_of(self, member: int) -> dict[str, Any] | None:
         """What `member` last reported (None: nothing)."""
-        text = read_key(self.store, f"figures/{member}")
-        try:
-            figures = json.loads(text) if text is not None else None
-        except ValueError:
-            return None
-        return figures if isinstance(figures, dict) and isinstance(figures.get("counter"), dict | None) else None
+        return reported_figures(self.store, member)
 
     def leave(self, how: str) -> None:
         try:
@@ -548,6 +549,16 @@ class Member:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def reported_figures(store: Any, member: int) -> dict[str, Any] | None:
+    """What `member` last left in the store (`Member.report`), if it is well formed (None: nothing)."""
+    text = read_key(store, f"figures/{member}")
+    try:
+        figures = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return figures if isinstance(figures, dict) and isinstance(figures.get("counter"), dict | None) else None
 
 
 def report_left(access: Access, member: int, how: str) -> None:
