@@ -20,6 +20,7 @@ receives: a codec frame, a state like its own), so that no member makes another 
 from __future__ import annotations
 
 import functools
+import io
 import re
 import time
 from collections.abc import Callable
@@ -50,6 +51,18 @@ def check_length(peer: int, n: int, limit: int) -> None:
     if n > limit:
         raise CommError(f"recv_bytes from worker {peer}: {n:,} bytes announced, more than the {limit:,} this receive "
                         "expects (a corrupt stream, or a member that is not running this run's code)")  # fmt: skip
+
+
+def packed(value: Any) -> torch.Tensor:
+    """`value` (tensors, numbers, strings, and dicts, lists and tuples of them) as a `send_bytes` payload."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def unpacked(payload: torch.Tensor) -> Any:
+    """What `packed` made, read as weights only: a payload from another process runs no code here."""
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
 def limit_for(state: Any, times: int = 1) -> int:

@@ -82,9 +82,10 @@ def network_for(config: Config, size: int, rank: int, worker_processes: int | No
 def worker_of(config: Config, rank: int, worker_processes: int | None = None) -> int:
     """The rank [compute] and [faults] name process `rank` by: itself, or in a sharded run its replica (a server's
     after the replicas), out of `worker_processes` (default: run.workers × run.shards)."""
+    from fast.emulation.links import named_as
+
     k = config.run.shards
-    workers = config.run.workers * k if worker_processes is None else worker_processes
-    return rank if k == 1 else rank // k if rank < workers else rank - workers + workers // k
+    return named_as(rank, k, config.run.workers * k if worker_processes is None else worker_processes)
 
 
 def comm_maker(network: Network | None, piece_kb: int = 0) -> Callable[..., Comm]:

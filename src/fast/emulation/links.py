@@ -106,6 +106,14 @@ class LinkTable:
         }
 
 
+def named_as(process: int, shards: int, worker_processes: int) -> int:
+    """The rank a [network], [compute] or [faults] table knows process `process` by, of `worker_processes` worker
+    processes, `shards` to a replica: its replica, or a server's rank, after the replicas' (itself when unsharded)."""
+    if process < worker_processes:
+        return process // shards
+    return process - worker_processes + worker_processes // shards
+
+
 IDEAL = EmulatedLink(latency_s=0.0, bandwidth_Bps=math.inf)  # no time at all: traffic inside a sharded replica
 
 
@@ -129,9 +137,7 @@ class ReplicaLinks:
 
     def named(self, process: int) -> int:
         """The rank `table` knows process `process` by: its replica, or a server's rank."""
-        if process < self.worker_processes:
-            return process // self.shards
-        return process - self.worker_processes + self.worker_processes // self.shards
+        return named_as(process, self.shards, self.worker_processes)
 
     def link(self, src: int, dst: int) -> EmulatedLink:
         a, b = self.named(src), self.named(dst)

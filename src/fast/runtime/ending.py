@@ -12,7 +12,6 @@ writes the outputs with a `failures` list, and answers each survivor, which may 
 from __future__ import annotations
 
 import copy
-import io
 import json
 import os
 import platform
@@ -27,7 +26,7 @@ from torch import nn
 
 from fast.comm import tags, timing
 from fast.comm.arrivals import peers_fractions
-from fast.comm.comm import limit_for
+from fast.comm.comm import limit_for, packed, unpacked
 from fast.comm.timeline import chrome_trace, shares
 from fast.emulation.deployment import bytes_per_link, emulated, record_of
 from fast.emulation.deployment import describe as describe_deployment
@@ -61,16 +60,6 @@ def environment() -> dict[str, Any]:
 
 
 # -- the run's end, collective or through worker 0 ---------------------------------------------------------------
-
-
-def _pack(value: Any) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _unpack(payload: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
 def first_notices(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -323,22 +312,22 @@ class Ending:
             # worker 0 may first wait on every other process, then evaluate and write: a longer deadline
             patience = world.deadline_s * (world.size + 2)
             with line.unmetered():
-                line.send_bytes(_pack(json.dumps(figures)), 0, tag=END_TAG, deadline_s=patience)
-                line.send_bytes(_pack(replica), 0, tag=END_TAG, deadline_s=patience)
+                line.send_bytes(packed(json.dumps(figures)), 0, tag=END_TAG, deadline_s=patience)
+                line.send_bytes(packed(replica), 0, tag=END_TAG, deadline_s=patience)
                 line.recv(torch.zeros(1), 0, tag=END_TAG, deadline_s=patience)
             return None
         everyone, replicas = [figures], [replica]
         # what the others hand in is like worker 0's own: their figures (records of as many steps, give or take)
         # and a replica of the same model; a longer one is refused before it is allocated
-        figures_limit = 16 * _pack(json.dumps(figures)).numel() + (64 << 20)
+        figures_limit = 16 * packed(json.dumps(figures)).numel() + (64 << 20)
         replica_limit = limit_for(self.model.state_dict(), times=2)
         with line.unmetered():
             for rank in range(1, world.size):
                 if rank in strategy.dead:
                     continue
                 try:
-                    everyone.append(json.loads(_unpack(line.recv_bytes(rank, tag=END_TAG, limit=figures_limit))))
-                    theirs = _unpack(line.recv_bytes(rank, tag=END_TAG, limit=replica_limit))
+                    everyone.append(json.loads(unpacked(line.recv_bytes(rank, tag=END_TAG, limit=figures_limit))))
+                    theirs = unpacked(line.recv_bytes(rank, tag=END_TAG, limit=replica_limit))
                 except CommError as e:
                     strategy.lost(rank, self.step, f"end of run: {e}")
                     continue

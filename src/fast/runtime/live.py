@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 import signal
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 
 from fast.comm import bootstrap as engine
 from fast.comm import timing
-from fast.comm.comm import limit_for
+from fast.comm.comm import limit_for, packed, unpacked
 from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
@@ -70,16 +69,6 @@ def fingerprint(state: dict[str, Any]) -> str:
 
     add(state)
     return digest.hexdigest()[:16]
-
-
-def _packed(state: dict[str, Any]) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _unpacked(payload: torch.Tensor) -> dict[str, Any]:
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
 PROGRESS_BYTES = 1 << 20  # the most a state without its tensors (step, data position, schedule) may be
@@ -250,10 +239,17 @@ class Live:
         self.driver.null_step()
         if self.schedule is not None:
             self.schedule.step()
-        taken = self.samples_per_step
-        if self._epoch_samples and self.data_cursor + taken > self._epoch_samples:  # (the loader's turn-over)
-            self.data_epoch, self.data_cursor = self.data_epoch + 1, 0
-        self.data_cursor += taken
+        if self._epoch_samples:
+            self._epoch_over(self._epoch_samples)
+        self.data_cursor += self.samples_per_step
+
+    def _epoch_over(self, epoch_samples: int) -> bool:
+        """Whether the next step's batches would run past the epoch's `epoch_samples` (the same on every member):
+        then the cursor turns over to the next epoch."""
+        if self.data_cursor + self.samples_per_step <= epoch_samples:
+            return False
+        self.data_epoch, self.data_cursor = self.data_epoch + 1, 0
+        return True
 
     def _run_time(self, trained_s: float) -> float:
         """The run's training time when this member's clock reads `trained_s`: a joiner's clock starts at its
@@ -360,7 +356,7 @@ class Live:
         self._coming = None
         started = timing.now()
         _, payload = channel.recv_bytes(source, limit=limit)
-        state = _unpacked(payload)
+        state = unpacked(payload)
         self._load_holdings(state)
         self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4))
 
@@ -412,8 +408,8 @@ class Live:
         limit = limit_for(self._own_model().state_dict(), times=8)
         if mine:
             progress, holdings = self._progress(), self._holdings()
-            whole = _packed({**progress, **holdings}) if set(mine) - set(behind_steps) else None
-            parts = (_packed(progress), _packed(holdings)) if set(mine) & set(behind_steps) else None
+            whole = packed({**progress, **holdings}) if set(mine) - set(behind_steps) else None
+            parts = (packed(progress), packed(holdings)) if set(mine) & set(behind_steps) else None
             with metered:
                 for member in mine:
                     if member in behind_steps:  # where the run stands now; its weights behind the next steps
@@ -430,11 +426,11 @@ class Live:
             with metered:
                 if me in behind_steps:  # its weights taken before the round's mean, as the others step (`_sat_out`)
                     _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
-                    self._load_progress(_unpacked(progress))
+                    self._load_progress(unpacked(progress))
                     self._coming = (channel, source, limit, source_id)
                 else:
                     _, payload = world.recv_bytes(source, limit=limit)
-                    state = _unpacked(payload)
+                    state = unpacked(payload)
                     self._load_progress(state)
                     self._load_holdings(state)
                     self._healed_record(source_id, state["fingerprint"])

@@ -227,8 +227,7 @@ class ShardedLoader:
             job._membership_boundary()  # the members switch (and heal) before the batch is chosen
             if job.stopped or job.data_epoch != self.epoch:
                 return
-            if job.data_cursor + job.samples_per_step > len(order):  # the epoch is over, for every member at once
-                job.data_epoch, job.data_cursor = job.data_epoch + 1, 0
+            if job._epoch_over(len(order)):  # for every member at once
                 return
             start = job.data_cursor + job.world.index() // job.shards * b + self.part  # (a shard's slice)
             self.taken += 1
