@@ -157,10 +157,15 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     # equal member 0's, bit for bit, before its first step
     (healed,) = _healed(run, 4)
     assert healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] == 0
-    # the periodic family's joiner takes its weights behind the others' steps, at its first round's last step
-    behind = strategy["strategy.name"] in ("local-sgd", "diloco")
+    # the periodic family's joiner takes its weights behind the others' steps, at its first round's last step;
+    # sync's at the first step's round that finds them in, having sat out (and kept the averages of) those before
+    name = strategy["strategy.name"]
+    behind = name in ("local-sgd", "diloco", "sync")
     assert healed.get("behind", False) == behind and events[2]["healed_behind"] == ([4] if behind else [])
-    assert healed["step"] == events[2]["step"] + (strategy["strategy.period"] - 1 if behind else 0)
+    if name == "sync":
+        assert healed["replayed"] == healed["step"] - events[2]["step"] >= 0, (healed, events[2])
+    else:
+        assert healed["step"] == events[2]["step"] + (strategy["strategy.period"] - 1 if behind else 0)
     assert _steps(run, 4) > 0 and not (run / "checkpoints").exists()
     if strategy.get("strategy.topology") == "torus:2x2":
         assert summary["topology_fallback"].startswith("ring over 3 workers")
@@ -332,9 +337,10 @@ def _refusals(run: Path, tmp_path: Path) -> None:
     ]
 
 
-def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, torch.Tensor]:
+def _reference_weights(run: Path, events: list[dict], steps: int, sat_out: range) -> dict[str, torch.Tensor]:
     """Plain SGD in this process over the batches a live run's members took: at each step, the next
-    n * batch_size samples of the epoch's order, n the members of that step's generation."""
+    n * batch_size samples of the epoch's order, n the members of that step's generation (but a joiner in the
+    steps it `sat_out`, its state coming)."""
     parts = resolve(run / "config.toml")
     config = parts.config
     train, _ = load_data(parts.data)
@@ -344,7 +350,7 @@ def _reference_weights(run: Path, events: list[dict], steps: int) -> dict[str, t
     b, epoch, cursor = config.run.batch_size, 0, 0
     order = epoch_order(len(x), config.run.seed, epoch, 0)
     for step in range(steps):
-        n = len([e for e in events if e["step"] <= step][-1]["members"])
+        n = len([e for e in events if e["step"] <= step][-1]["members"]) - (step in sat_out)
         if cursor + n * b > len(x):
             epoch, cursor = epoch + 1, 0
             order = epoch_order(len(x), config.run.seed, epoch, 0)
@@ -379,7 +385,9 @@ def test_a_run_with_a_leave_and_a_join_equals_sgd_over_the_members_of_each_step(
     events = summary["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3]], events
     assert events[1]["left"] == [{"member": 1, "how": "left (SIGTERM)"}]
-    expected = _reference_weights(run, events, summary["steps_per_worker"])
+    (healed,) = _healed(run, 3)
+    sat_out = range(events[2]["step"], healed["step"])  # its state came behind these steps: it took no data
+    expected = _reference_weights(run, events, summary["steps_per_worker"], sat_out)
     trained = torch.load(run / "model.pt", weights_only=True)
     for name, tensor in expected.items():
         # sums in another order drift by rounding, up to 9e-5 over 1,500 steps; a wrong schedule is far off (measured
@@ -493,3 +501,52 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
         assert healed["from"] == "servers" and healed["catch_up_bytes"] == events[-1]["catch_up_bytes"]
     # the catch-up crossed the link: the joiner's machine received at least its bytes, by the kernel's count
     assert after - before >= events[-1]["catch_up_bytes"] > 0
+
+
+def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_averages(tmp_path, no_orphans):
+    """Healing stops nobody under sync either: while a joiner's state comes (on a slow emulated link), the others
+    go on stepping and the joiner takes each step's all-reduce without data, keeping the averages; once its state
+    is in, it applies them as the others did and takes the next step with data, level with them bit for bit (a
+    second joiner's heal finds no member but itself whose state differs)."""
+    run = tmp_path / "run"
+    slow = {"network.bandwidth": "4Mbit", "network.latency": "2ms"}  # the state takes a few steps to come
+    # Adam's moments make the state thrice the weights; a warm-up moves the learning rate at every step it replays
+    job = {"optimizer.name": "adamw", "optimizer.lr": 0.003, "optimizer.clip_norm": 1.0,
+           "schedule.name": "warmup-linear", "schedule.warmup_steps": 50}  # fmt: skip
+    proc = _start(run, {"run.workers": 3, "run.max_time": "300s", "strategy.name": "sync", **slow, **job})
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    joiners = []
+    try:
+        _wait_for_step(run, 20, proc)
+        _worker(proc.pid, 1).send_signal(signal.SIGKILL)
+        joiners.append(subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env))
+        end = time.monotonic() + 180
+        while _steps(run, 3) < 10:
+            assert joiners[0].poll() is None and time.monotonic() < end, joiners[0].communicate()
+            time.sleep(0.05)
+        joiners.append(subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env))
+        _stop_once_joined(run, joiners[1], run, 4)
+        joiners[0].communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        for p in (proc, *joiners):
+            if p.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.wait()
+    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners), err
+    summary = json.loads((run / "summary.json").read_text())
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2, 3, 4]], events
+    assert events[2]["healed_behind"] == [3] and events[3]["healed"] == [4], events
+    (healed,) = _healed(run, 3)
+    assert healed["behind"] and healed["fingerprint"] == healed["source_fingerprint"], healed
+    assert healed["replayed"] == healed["step"] - events[2]["step"] >= 1, (healed, events[2])
+    # the others trained the steps meanwhile, and the joiner none of them: its first is the one it entered at
+    steps_of = {m: [json.loads(line) for line in (run / "workers" / f"metrics-{m}.jsonl").read_text().splitlines()]
+                for m in (0, 3)}  # fmt: skip
+    assert {r["step"] for r in steps_of[0] if "loss" in r} >= set(range(events[2]["step"] + 1, healed["step"] + 1))
+    mine = [r for r in steps_of[3] if "loss" in r]
+    assert min(r["step"] for r in mine) == healed["step"] + 1  # (records count steps done)
+    first = [r["loss"] for r in steps_of[0] if "loss" in r][0]
+    assert mine[0]["loss"] < 0.5 * first, (mine[0]["loss"], first)
+    assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]

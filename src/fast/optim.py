@@ -108,7 +108,8 @@ def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int 
                 f"`schedule.name` = {cfg.name!r} needs the run's length: set schedule.total_steps, or call "
                 "job.epochs(n) (or run.epochs) before the first step"
             )
-        base = optimizer.param_groups[0]["lr"]
+        first = optimizer.param_groups[0]
+        base = first.get("initial_lr", first["lr"])  # (an optimizer resumed or healed has its schedule's rate now)
         floor = cfg.min_lr / base if base > 0 else 0.0
         kind = cfg.name.removeprefix("warmup-")
         return torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then(kind, cfg.warmup_steps, total, floor))

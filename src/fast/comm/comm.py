@@ -183,6 +183,38 @@ class _Pieces:
         return True
 
 
+class IncomingBytes:
+    """A payload `isend_bytes` sends, received behind the receiver's work, on a thread of its own (a backend's
+    receive is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for it, and
+    raises what the receive raised (CommError: a peer gone, a length past `limit`, checked before allocating)."""
+
+    def __init__(self, comm: Any, src: int, limit: int) -> None:
+        self.payload: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.thread = timing.Thread(self._receive, "fast-incoming", args=(comm, src, limit))
+        self.thread.start()
+
+    def _receive(self, comm: Any, src: int, limit: int) -> None:
+        try:
+            length = torch.zeros(1, dtype=torch.int64)
+            comm.irecv(length, src).wait()
+            n = int(length[0])  # (a host tensor)
+            check_length(src, n, limit)
+            payload = torch.empty(n, dtype=torch.uint8)
+            self.payload = comm.irecv(payload, src).wait() if n else payload
+        except BaseException as e:  # (handed to `take`, on the caller's thread)
+            self.error = e
+
+    def arrived(self) -> bool:
+        return not self.thread.is_alive()
+
+    def take(self) -> torch.Tensor:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.payload
+
+
 def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     # gloo's "[file.cc:553] Connection closed by peer [addr]:port. This is typically caused by ..." -> its gist
@@ -395,6 +427,16 @@ class Comm:
         self.send(length, dst, tag)
         if payload.numel():
             self.send(payload.contiguous(), dst, tag)
+
+    def isend_bytes(self, payload: torch.Tensor, dst: int) -> list[Any]:
+        """Send a variable-length uint8 payload behind the caller's work (for `irecv_bytes`): its length, then its
+        bytes; returns the sends under way and what they send, to be kept until they are done."""
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        return [self.isend(length, dst), self.isend(payload, dst), length, payload]
+
+    def irecv_bytes(self, src: int, limit: int) -> IncomingBytes:
+        """Receive what `isend_bytes` sends, behind the caller's work (at most `limit` bytes)."""
+        return IncomingBytes(self, src, limit)
 
     def recv_bytes(self, src: int | None = None, tag: int = 0, limit: int = RECV_BYTES) -> tuple[int, torch.Tensor]:
         """Receive a payload sent by `send_bytes`, from `src` or from whichever peer comes first; CommError for

@@ -585,6 +585,14 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
             self.schedule = build_schedule(schedule, self.optimizer, self.total_steps)
             if self._schedule_state:
                 self.schedule.load_state_dict(self._schedule_state)
+                self._follow_schedule()
+
+    def _follow_schedule(self) -> None:
+        """The optimizer's learning rates as the schedule has them now: loading a schedule's state (a resumed run, a
+        healed member) does not set them."""
+        if self.schedule is not None:
+            for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
+                group["lr"] = lr
 
     def _step_done(self, bad: bool) -> None:
         """After each optimizer step: bad-step accounting, the schedule, time, stopping, checkpoints."""

@@ -19,7 +19,11 @@ A joiner of `local-sgd` or `diloco` (without a codec) stops nobody: it is sent w
 data position, schedule), and its weights, optimizer and strategy state on a line of their own, behind the others'
 steps. It sits its first round out, taking the round's steps without data (its share of the round's mean zeros, not
 counted, and no batch of the data cursor's), takes that state before the round's mean, and comes out of the mean
-level with the others (summary `membership`: `healed_behind`).
+level with the others (summary `membership`: `healed_behind`). A joiner of `sync` (FAST's own loop, without a codec)
+likewise takes each step's all-reduce without data until its state is in, keeping the step's averaged gradients; the
+members learn at each step's round how many still wait. Once its state is in, it applies the kept gradients as every
+member applied them (the same skips, clipping, learning rates), and takes the next step with data: that step is the
+only one that waits for it. It waits for the state at once if the kept gradients would pass `KEPT_BYTES`.
 
 The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
@@ -37,7 +41,7 @@ import torch
 
 from fast.comm import bootstrap as engine
 from fast.comm import timing
-from fast.comm.comm import limit_for, packed, unpacked
+from fast.comm.comm import IncomingBytes, limit_for, packed, unpacked
 from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
@@ -45,6 +49,7 @@ from fast.runtime.control import Control
 from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded
 from fast.runtime.simulated_membership import simulated_member
 from fast.shards.local import load_local_optimizer_state, local_optimizer_state, local_tensor
+from fast.strategies.base import UNTIL_STATE_COMES
 
 
 def fingerprint(state: dict[str, Any]) -> str:
@@ -72,6 +77,7 @@ def fingerprint(state: dict[str, Any]) -> str:
 
 
 PROGRESS_BYTES = 1 << 20  # the most a state without its tensors (step, data position, schedule) may be
+KEPT_BYTES = 1 << 30  # the most a sync joiner keeps of the averaged gradients of the steps it sits out
 
 
 class Live:
@@ -79,7 +85,10 @@ class Live:
 
     # a round sat out by the joiners whose state comes behind the others' steps: (the step it ends before, how many)
     _sitting_out: tuple[int, int] | None = None
-    _coming: tuple[Any, int, int, int] | None = None  # (a joiner's) its line, source rank, byte limit, source id
+    _coming: tuple[IncomingBytes, int] | None = None  # (a joiner's) that state under way, and its source's id
+    # (a sync joiner's) the steps it sat out: their averaged gradients, skip flags, and optimizer settings
+    _kept: list[tuple[list[torch.Tensor | None], Any, list[dict[str, Any]]]]
+    _kept_bytes = 0
     _sending: list[Any]  # (a source's) the sends of that state under way, and what they send
     _epoch_samples = 0  # the samples of an epoch's order (the loader's), where the data cursor turns over
 
@@ -200,7 +209,8 @@ class Live:
             ending = int(self._budget_spent(self._run_time(self.trained_s)) or (first and self.member.stopping()))
             fresh = self.driver.samples - self._samples_reported
             try:
-                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending, fresh], set())
+                waiting = int(self._waiting_for_state())
+                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending, fresh, waiting], set())
             except CommError:
                 self._regroup(failed=True)
                 continue
@@ -211,10 +221,24 @@ class Live:
                 self._stopping = True
             if not answer.any(0):
                 self._boundary_at = self.step
-                if self._coming is None or self._sat_out():
+                if self._takes_the_step(answer.total(3), waiting):
                     return
-                continue  # the round sat out failed: re-formed and healed, the boundary is taken again
+                continue  # a step sat out, or a re-form (a peer went meanwhile, healed): the boundary again
             self._regroup(failed=False)
+
+    def _takes_the_step(self, waiting_members: int, waiting: bool) -> bool:
+        """After the boundary's round: whether this member takes the step now, not a joiner sitting out (a round of
+        the periodic family, a step of sync: `waiting_members`, this one among them if `waiting`, say their state
+        is not in yet)."""
+        if self._sitting_out is None or self._sitting_out[0] != UNTIL_STATE_COMES:
+            return self._coming is None or self._sat_out()
+        self._sitting_out = (UNTIL_STATE_COMES, waiting_members) if waiting_members else None
+        if self._coming is None:
+            return True
+        if waiting and not self.stopped:
+            self._sit_out_a_step()
+            return False
+        return self._level_with_the_others()
 
     def _sat_out(self) -> bool:
         """A joiner whose state comes behind the others' steps takes the round's steps without data (its share
@@ -233,10 +257,58 @@ class Live:
             self._regroup(failed=True)
             return False
 
-    def _step_without_data(self) -> None:
-        """One step of a round sat out: the strategy's exchanges with zeros of this member's, the schedule and the
-        data cursor moved as on the members that train (they take the batches)."""
+    def _waiting_for_state(self) -> bool:
+        """(A sync joiner) its state is not in yet, and it may keep another step's gradients meanwhile."""
+        if self._coming is None or self._sitting_out[0] != UNTIL_STATE_COMES:
+            return False
+        return self._kept_bytes < KEPT_BYTES and not self._coming[0].arrived()
+
+    def _sit_out_a_step(self) -> None:
+        """(A sync joiner) one step without data, its averaged gradients kept (unless a peer went: re-formed and
+        healed)."""
+        try:
+            self._step_without_data(keep=True)
+        except CommError:
+            self._regroup(failed=True)
+
+    def _keep_step(self) -> None:
+        """(A sync joiner) the averaged gradients of the step it sat out, its skip flag and the optimizer's settings
+        (learning rates) of that step: what every member applied."""
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in self.driver.params]
+        skip = self.strategy.skips_step
+        self._kept.append((grads, skip.clone() if torch.is_tensor(skip) else skip, self._optimizer_settings()))
+        self._kept_bytes += sum(g.numel() * g.element_size() for g in grads if g is not None)
+
+    def _optimizer_settings(self, settings: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The optimizer's settings of each group (learning rate, ...) as they are; `settings`: set to these."""
+        if settings is not None:
+            for group, values in zip(self.optimizer.param_groups, settings, strict=True):
+                group.update(values)
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def _level_with_the_others(self) -> bool:
+        """(A sync joiner) its state, then the kept steps' averaged gradients applied as every member applied
+        them: it is level with the others for the step it takes next. False when a peer went meanwhile (re-formed
+        and healed)."""
+        kept, self._kept, self._kept_bytes = self._kept, [], 0
+        try:
+            self._take_state_behind(replayed=len(kept))
+        except CommError:
+            self._regroup(failed=True)
+            return False
+        now = self._optimizer_settings()
+        for grads, skip, settings in kept:
+            self._optimizer_settings(settings)
+            self.driver.replay(grads, skip)
+        self._optimizer_settings(now)
+        return True
+
+    def _step_without_data(self, keep: bool = False) -> None:
+        """One step sat out: the strategy's exchanges with zeros of this member's, the schedule and the data cursor
+        moved as on the members that train (they take the batches); `keep`: the step's averages kept."""
         self.driver.null_step()
+        if keep:
+            self._keep_step()
         if self.schedule is not None:
             self.schedule.step()
         if self._epoch_samples:
@@ -329,6 +401,7 @@ class Live:
         self._run_time_offset = state["run_time_s"] - self.trained_s
         if self.schedule is not None and state["schedule"] is not None:
             self.schedule.load_state_dict(state["schedule"])
+            self._follow_schedule()
         self._schedule_state = state["schedule"]
 
     def _load_holdings(self, state: dict[str, Any]) -> None:
@@ -337,9 +410,6 @@ class Live:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             load_local_optimizer_state(self.optimizer, state["optimizer"])
-        if self.schedule is not None:  # (the optimizer's state carries its learning rates of when it was sent)
-            for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
-                group["lr"] = lr
         self.strategy.load_state_dict(state["strategy"])
         self._holds_state = True
 
@@ -350,15 +420,16 @@ class Live:
                               "generation": self.generation.number, "fingerprint": fingerprint(self._model_state()),
                               "source_fingerprint": fingerprint_of_source, **more})  # fmt: skip
 
-    def _take_state_behind(self) -> None:
-        """(A joiner sitting a round out) the state its source sent when the round began, behind its own steps."""
-        channel, source, limit, source_id = self._coming
+    def _take_state_behind(self, **more: Any) -> None:
+        """(A joiner sitting out) the state its source sent when it came in, behind the steps since."""
+        incoming, source_id = self._coming
         self._coming = None
         started = timing.now()
-        _, payload = channel.recv_bytes(source, limit=limit)
-        state = unpacked(payload)
+        state = unpacked(incoming.take())
         self._load_holdings(state)
-        self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4))
+        self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4),
+                            **more)  # fmt: skip
+        self._follow_schedule()  # (the optimizer's state carries its learning rates of when it was sent)
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
@@ -375,7 +446,8 @@ class Live:
         # a sharded replica heals shard for shard: shard k of every replica together, over their own group
         world = self.world if self.shards == 1 else self.groups.replicate
         started, me = timing.now(), world.index()
-        self._sitting_out, self._coming, self._sending = None, None, []  # (what the last generation had under way)
+        # (what the last generation had under way)
+        self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], [], 0
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
         with world.unmetered():
@@ -395,6 +467,8 @@ class Live:
         # joiners that sit out the round starting here, their state sent behind the others' steps (not a sharded
         # replica's, nor a simulated member's: their heals stay whole)
         until = None if self.shards > 1 or self.simulated else self.strategy.sits_out_from(int(rows[first, 1]))
+        if until == UNTIL_STATE_COMES and not self.loop_is_fast:
+            until = None  # a user's loop may do at its step what no replay does (its own scheduler, a GradScaler)
         behind_steps = [m for m in behind if until is not None and int(rows[m, 2]) == 2]
         if behind_steps:
             self._sitting_out = (until, len(behind_steps))
@@ -414,9 +488,7 @@ class Live:
                 for member in mine:
                     if member in behind_steps:  # where the run stands now; its weights behind the next steps
                         world.send_bytes(parts[0], world.ranks[member])
-                        length = torch.tensor([parts[1].numel()], dtype=torch.int64)
-                        self._sending += [channel.isend(length, world.ranks[member]),
-                                          channel.isend(parts[1], world.ranks[member]), length, parts[1]]  # fmt: skip
+                        self._sending += channel.isend_bytes(parts[1], world.ranks[member])
                         sent += parts[0].numel() + parts[1].numel()
                     else:
                         world.send_bytes(whole, world.ranks[member])
@@ -427,7 +499,7 @@ class Live:
                 if me in behind_steps:  # its weights taken before the round's mean, as the others step (`_sat_out`)
                     _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
                     self._load_progress(unpacked(progress))
-                    self._coming = (channel, source, limit, source_id)
+                    self._coming = (channel.irecv_bytes(source, limit), source_id)
                 else:
                     _, payload = world.recv_bytes(source, limit=limit)
                     state = unpacked(payload)

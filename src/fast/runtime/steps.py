@@ -106,6 +106,7 @@ class StepDriver:
         # live membership: a step whose exchange failed (a peer is gone) is discarded, then this re-forms the group
         self.on_failure: Callable[[], None] | None = None
         self.failed = False
+        self.replaying = False  # kept gradients go through the optimizer without the step's hooks (`replay`)
         self.model: nn.Module
         self.params: list[nn.Parameter] = []  # what the strategy and the checks see (a sharded replica's local shards)
         self.replica: ShardedReplica | None = None
@@ -139,12 +140,12 @@ class StepDriver:
 
         def before_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
             driver = me()
-            if driver is not None:
+            if driver is not None and not driver.replaying:
                 driver._optimizer_starts()
 
         def after_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
             driver = me()
-            if driver is not None:
+            if driver is not None and not driver.replaying:
                 driver._optimizer_ends()
 
         def no_sync() -> Any:
@@ -267,8 +268,14 @@ class StepDriver:
             self.begin()
         if not self.backward_done:
             self.gradients_done()
-        strategy = self.strategy
-        skip = strategy.skips_step if strategy.averages_gradients else either(self.bad, strategy.skips_step)
+        skips = self.strategy.skips_step
+        self._skip_and_clip(skips if self.strategy.averages_gradients else either(self.bad, skips))
+        self.strategy.before_optimizer_step()
+        timeline.open_span("optimizer", "compute")
+        self.computing = True
+
+    def _skip_and_clip(self, skip: Flag) -> None:
+        """Before the optimizer's step: skip it where `skip` says, else clip the gradients (run's clip_norm)."""
         if skip is True:  # known on the host (a strategy of the user's own may say so)
             for p in {*self.params, *self.model_params}:  # the optimizer leaves parameters without a gradient alone
                 p.grad = None
@@ -276,9 +283,22 @@ class StepDriver:
             self._skip_on_device(skip)
         if self.clip_norm is not None and skip is not True:  # (a sharded model's: the global norm over its shards)
             torch.nn.utils.clip_grad_norm_(self.model_params, self.clip_norm)
-        self.strategy.before_optimizer_step()
-        timeline.open_span("optimizer", "compute")
-        self.computing = True
+
+    def replay(self, grads: list[torch.Tensor | None], skip: Flag) -> None:
+        """Apply a step's averaged gradients `grads` (one per parameter) as the workers that took the step did: the
+        same skip and clipping, then the optimizer's step, without the step's hooks and bookkeeping (a joiner whose
+        state came behind steps it sat out, fast.runtime.live)."""
+        self.replaying = True
+        try:
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+            self._skip_and_clip(skip)
+            self.optimizer.step()
+        finally:
+            self._restore_found_inf()
+            self.replaying = False
+            for p in self.params:
+                p.grad = None
 
     def _skip_on_device(self, skip: torch.Tensor) -> None:
         """Skip the step where the device flag `skip` is set, without reading it: an optimizer that takes found_inf
@@ -290,7 +310,12 @@ class StepDriver:
                     zero_where(local_tensor(p.grad), skip)
             return
         if not self.fused:
-            self.strategy.zero_gradients_where(skip)
+            if self.replaying:  # (the kept gradients, not the strategy's)
+                for p in self.params:
+                    if p.grad is not None:
+                        zero_where(p.grad, skip)
+            else:
+                self.strategy.zero_gradients_where(skip)
             return
         flag = skip.to(torch.float32).reshape(())  # (the shape of the optimizer's step counts)
         theirs = self.optimizer.__dict__.get("found_inf")
@@ -303,14 +328,17 @@ class StepDriver:
             timeline.close_span()
             self.computing = False
 
-    def _optimizer_ends(self) -> None:
-        self._computed()
+    def _restore_found_inf(self) -> None:
         if self._folded:  # the optimizer's found_inf as it was (a GradScaler's, or none)
             if self._found_inf is not None:
                 self.optimizer.found_inf = self._found_inf
             else:
                 self.optimizer.__dict__.pop("found_inf", None)
             self._folded, self._found_inf = False, None
+
+    def _optimizer_ends(self) -> None:
+        self._computed()
+        self._restore_found_inf()
         if self.failed:  # discarded: the step is taken again over the re-formed group
             self.began = self.backward_done = self.bad = self.failed = False
             self.on_failure()
@@ -340,6 +368,9 @@ class StepDriver:
             for p in {*self.params, *self.model_params}:
                 p.grad = None
             self.gradients_done()
+            if self.failed:  # (a live run's) its exchange failed: discarded, as a step with data is
+                self.began = self.backward_done = self.bad = self.failed = False
+                raise CommError("a step without data: its exchange failed (a peer is gone)")
             self.strategy.after_optimizer_step(self.step)
             self.step += 1
             self.began = self.backward_done = self.bad = False

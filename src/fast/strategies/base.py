@@ -8,6 +8,7 @@ need; the defaults do nothing, so local training with no communication is `Strat
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, ClassVar, Literal
 
@@ -25,6 +26,8 @@ from fast.strategies.compensation import CompensationOptions, MomentumCompensati
 from fast.strategies.context import ModelLayout, StrategyContext, StrategyOptions, pick_replica
 
 __all__ = ["CompensationOptions", "ModelLayout", "Strategy", "StrategyContext", "StrategyOptions"]
+
+UNTIL_STATE_COMES = sys.maxsize  # (sits_out_from) a joiner sits out every step until its state is in
 
 
 class Strategy:
@@ -212,8 +215,10 @@ class Strategy:
 
     def sits_out_from(self, step: int) -> int | None:
         """A joiner entering at change point `step` while its state comes in the background sits out steps `step`
-        up to the one returned (excluded), taking part in their exchanges without data (fast.runtime.live); None:
-        a joiner takes its whole state before the others go on (the base)."""
+        up to the one returned (excluded), taking part in their exchanges without data (fast.runtime.live);
+        `UNTIL_STATE_COMES`: every step until its state is in, whose averaged gradients it then applies as the
+        others did (a strategy that averages gradients every step); None: a joiner takes its whole state before
+        the others go on (the base)."""
         return None
 
     def shared_state(self) -> Any:

@@ -34,7 +34,7 @@ from fast.exchange.allreduce import NONFINITE, CompressedAllReduce, PendingSum
 from fast.flags import zero_where
 from fast.perfmodel import Link, StepCost
 from fast.perfmodel.step import COLLECTIVE_OPTIONS, collective, with_barrier
-from fast.strategies.base import Strategy, StrategyOptions
+from fast.strategies.base import UNTIL_STATE_COMES, Strategy, StrategyOptions
 from fast.strategies.momentum import MomentumCorrection
 
 
@@ -272,6 +272,11 @@ class Sync(Strategy):
     def end_of_run(self) -> None:
         if self.compressed is not None:
             self.compressed.close()
+
+    def sits_out_from(self, step: int) -> int | None:
+        """A joiner takes each step's all-reduce without data until its state is in, then applies the averages it
+        kept (fast.runtime.live): not with a codec, whose error feedback and momentum are each worker's own."""
+        return UNTIL_STATE_COMES if self.compressed is None else None
 
     def summary(self) -> dict[str, Any]:
         summed = {b.summed.transport for b in self.buckets if b.summed is not None}
