@@ -23,10 +23,9 @@ from fast.jobs.code import check_data
 from fast.jobs.loop import train_worker
 from fast.parts import Deployment, JobParts, UserCode, deployment_of, resolve
 from fast.runtime.churn import ChurnDriver
-from fast.runtime.job import default_run_dir, prepare_run_dir
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
 from fast.runtime.membership import Coordinator
-from fast.runtime.run_folder import check_folder, claim, claimed, release
+from fast.runtime.run_folder import check_folder, claim, claimed, default_run_dir, prepare_run_dir, release
 from fast.strategies import strategy_for, strategy_options
 
 
@@ -36,16 +35,18 @@ def prepare(config: Any = None, *, out: str | Path | None = None, resume: str | 
     until `run_folder.release`); nothing is started."""
     if isinstance(config, str | Path) and Path(config).is_file():
         add_search_path(str(Path(config).resolve().parent))
+    source = config
+    if resume is not None:
+        if not (Path(resume) / "config.toml").is_file():
+            raise ConfigError(f"--resume {Path(resume)}: no config.toml there; give the folder of an earlier run")
+        source = config if config is not None else Path(resume) / "config.toml"
+    parts = resolve(source, user, **overrides)
+    check_data(parts.data)  # data that is not there fails here, before anything starts (or any folder is made)
     if resume is not None:
         run_dir = Path(resume)
-        if not (run_dir / "config.toml").is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.toml there; give the folder of an earlier run")
-        parts = resolve(config if config is not None else run_dir / "config.toml", user, **overrides)
     else:
-        parts = resolve(config, user, **overrides)
-        run_dir = Path(out) if out is not None else default_run_dir(parts.config)
+        run_dir = Path(out) if out is not None else default_run_dir(parts.config.run.name)
     check_folder(run_dir)
-    check_data(parts.data)  # data that is not there fails here, before anything starts
     if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
         claim(run_dir)  # before anything in it is cleared: another live run may hold it
     try:
@@ -211,7 +212,7 @@ def run_script(
     dotted["run.workers"] = workers
     launcher_config = load_config(base, run__workers=workers)
     deployment = deployment_of(launcher_config, strategy_for(launcher_config), strategy_options(launcher_config))
-    run_dir = Path(resume or out or default_run_dir(launcher_config))
+    run_dir = Path(resume or out or default_run_dir(launcher_config.run.name))
     env = {
         "FAST_OVERRIDES": json.dumps(dotted),
         "FAST_RUN_DIR": str(run_dir.resolve()),
