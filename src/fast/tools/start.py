@@ -94,16 +94,13 @@ def _launch_live(fn: Any, config: Config, deployment: Deployment, run_dir: Path,
     founder may die, worker 0 too (the lowest live member does its duties), others join with `fast join`, and the
     run goes on while a member is left, until one writes its outputs. (A detached strategy's servers take the ids
     after the workers', and its worker 0 must stay: fast.runtime.detached.)"""
-    needs_worker_0 = strategy_for(config).joins_alone
-    coordinator = Coordinator(run_dir, config, addr, deployment.workers * deployment.shards,
-                              first_joiner=deployment.processes,
-                              needs_worker_0=needs_worker_0)  # fmt: skip
-    churn = ChurnDriver(run_dir, config, coordinator) if deployment.churn else None
+    coordinator = Coordinator(run_dir, config, deployment, addr)
+    churn = ChurnDriver(run_dir, deployment.churn, coordinator) if deployment.churn is not None else None
     try:
         outputs = launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
                          survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
                          on_exit=coordinator.exited, together=deployment.shards,
-                         goes_on=None if needs_worker_0 else coordinator.wait_for_the_end)  # fmt: skip
+                         goes_on=None if deployment.needs_worker_0 else coordinator.wait_for_the_end)  # fmt: skip
         writer, summary = coordinator.writer, run_dir / "summary.json"
         if writer is not None and writer not in outputs and summary.is_file():  # a joiner's (`fast join`'s) process
             outputs[writer] = json.loads(summary.read_text())
@@ -128,7 +125,7 @@ def _simulate(fn: Any, config: Config, deployment: Deployment, args: tuple, extr
     argv, main = list(sys.argv), sys.modules.get("__main__")
     try:
         with variables_set(extra_env or {}):
-            return simulate(fn, config, deployment.processes, args, survivable=deployment.survivable)
+            return simulate(fn, config, deployment, args)
     finally:
         sys.argv[:] = argv
         if main is not None:
