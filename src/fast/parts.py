@@ -6,9 +6,10 @@
 (`[data] factory`, `[model] factory`, `[step] factory`, `[eval] factory`, found and imported here, or Python's
 `model_fn` and `step_fn`), a built-in by name, or a packed job's programs; FAST's loop builds them
 (fast.jobs.code). `parts.optimizer` is the optimizer and its schedule, `parts.strategy` and `parts.options` the
-strategy, `parts.deployment` how many processes run where and how they start. Below this module nobody reads `[data]`,
-`[model]`, `[step]`, `[eval]`, `[optimizer]`, `[schedule]`, `[strategy]` or `[package]` again; the runtime reads
-`[run]`, its own keys, from `parts.config`.
+strategy, `parts.deployment` how many processes run where and how they start, and what else their launcher needs
+(a live run's bounds, whether it needs worker 0, its churn). Below this module nobody reads `[data]`, `[model]`,
+`[step]`, `[eval]`, `[optimizer]`, `[schedule]`, `[strategy]` or `[package]` again; the runtime reads `[run]`, its
+own keys, from `parts.config`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fast.assemble import load_config
 from fast.config import Config
 from fast.factories import load_factory
 from fast.strategies import Strategy, StrategyOptions, strategy_for, strategy_options
+from fast.units import parse_duration
 
 ModelFn = Callable[[tuple[int, ...], int], Any]
 StepFn = Callable[..., Any]
@@ -122,6 +124,17 @@ class OptimizerPart:
 
 
 @dataclass(frozen=True)
+class ChurnPlan:
+    """`[faults] churn`, resolved: how a member leaves ("kill" or "term"), the means of the exponential stay and
+    absence in seconds, and the seed of the draws (fast.runtime.churn)."""
+
+    leave: str
+    lifetime_s: float
+    absence_s: float
+    seed: int
+
+
+@dataclass(frozen=True)
 class Deployment:
     """How many processes run, where they meet and how they start: decided before any starts."""
 
@@ -134,7 +147,10 @@ class Deployment:
     threads: int  # torch threads a process; 0: the machine's cores over its processes of the run
     restarts: int  # run.max_restarts, under torch's agent
     live: bool  # live membership (fast.runtime.membership)
-    churn: bool  # [faults] churn drives it
+    min_workers: int  # a live run with fewer ends (run.min_workers)
+    max_workers: int  # a live run admits no joiner past it (run.max_workers; 0: 256)
+    needs_worker_0: bool  # a live run cannot go on without worker 0: it gathers a detached run's end (joins_alone)
+    churn: ChurnPlan | None  # [faults] churn drives the live membership
     survivable: bool  # the run goes on when a worker but worker 0 dies (in a live run, any worker)
 
     @property
@@ -172,6 +188,7 @@ def deployment_of(config: Config, strategy: type[Strategy], options: StrategyOpt
     """How many processes `config` runs (with its `strategy` and `options`), where they meet and how they start: all
     a launcher needs of a job."""
     run = config.run
+    churn = config.faults.churn if config.faults is not None else None
     return Deployment(
         workers=run.workers,
         servers=strategy.server_count(options, run.workers),
@@ -182,7 +199,12 @@ def deployment_of(config: Config, strategy: type[Strategy], options: StrategyOpt
         threads=run.threads_per_worker,
         restarts=run.max_restarts,
         live=run.live,
-        churn=config.faults is not None and config.faults.churn is not None,
+        min_workers=run.min_workers,
+        max_workers=run.max_workers,
+        needs_worker_0=strategy.joins_alone,
+        churn=None
+        if churn is None
+        else ChurnPlan(churn.leave, parse_duration(churn.lifetime), parse_duration(churn.absence), run.seed),
         survivable=strategy.survives_failures or run.live,
     )
 

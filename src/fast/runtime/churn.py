@@ -23,9 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from fast.config import Config
+from fast.parts import ChurnPlan
 from fast.runtime.membership import Coordinator
-from fast.units import parse_duration
 
 
 def _die_with_launcher() -> None:
@@ -37,11 +36,10 @@ def _die_with_launcher() -> None:
 class ChurnDraws:
     """The seeded draws of `[faults] churn`: each member's stay and each absence (exponential), and how one leaves."""
 
-    def __init__(self, config: Config) -> None:
-        churn = config.faults.churn
-        self.how = churn.leave
-        self.mean_lifetime, self.mean_absence = parse_duration(churn.lifetime), parse_duration(churn.absence)
-        self.random = random.Random(config.run.seed * 7919 + 17)
+    def __init__(self, plan: ChurnPlan) -> None:
+        self.how = plan.leave
+        self.mean_lifetime, self.mean_absence = plan.lifetime_s, plan.absence_s
+        self.random = random.Random(plan.seed * 7919 + 17)
 
     def lifetime(self) -> float:
         return self.random.expovariate(1 / self.mean_lifetime)
@@ -53,8 +51,8 @@ class ChurnDraws:
 class ChurnDriver:
     """The launcher's thread that makes members leave and brings new ones in (see the module)."""
 
-    def __init__(self, run_dir: Path, config: Config, coordinator: Coordinator) -> None:
-        self.run_dir, self.coordinator, self.draws = run_dir, coordinator, ChurnDraws(config)
+    def __init__(self, run_dir: Path, plan: ChurnPlan, coordinator: Coordinator) -> None:
+        self.run_dir, self.coordinator, self.draws = run_dir, coordinator, ChurnDraws(plan)
         self.leaves: dict[int, float] = {}  # member -> when it is told to leave
         self.returns: list[float] = []  # when a new worker comes in
         self.joiners: list[subprocess.Popen] = []

@@ -47,7 +47,7 @@ from fast.errors import ConfigError, FastError, UsageError
 from fast.factories import add_search_path
 from fast.optim import build_schedule
 from fast.parts import JobParts, resolve
-from fast.runtime import control, files
+from fast.runtime import control
 from fast.runtime.checkpoints import Checkpointing
 from fast.runtime.clock import Clock
 from fast.runtime.control import Control
@@ -61,7 +61,7 @@ from fast.runtime.loader import ShardedLoader, tensor_dataset
 from fast.runtime.membership import ADDRESS_VARIABLE
 from fast.runtime.readback import BadSteps, read_together
 from fast.runtime.records import Records
-from fast.runtime.run_folder import claim, new_folder, release
+from fast.runtime.run_folder import claim, default_run_dir, new_folder, prepare_run_dir, release
 from fast.runtime.sharded import Sharded
 from fast.runtime.steps import StepDriver
 from fast.runtime.throughput import Throughput
@@ -87,14 +87,6 @@ def unfinished() -> Job | None:
     """The job of this process if it was prepared and not finished yet."""
     job = _current.get()
     return job if job is not None and not job.finished and job.model is not None else None
-
-
-def default_run_dir(config: Config) -> Path:
-    """runs/NAME-TIME, made now and no other run's (see run_folder); under torchrun, runs/NAME-RUN_ID, the same on
-    every rank."""
-    if engine.under_torchrun():
-        return Path("runs") / f"{config.run.name}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
-    return new_folder(Path("runs"), config.run.name)
 
 
 def resolve_job(config: Any = None, **overrides: Any) -> JobParts:
@@ -142,7 +134,7 @@ def init(
         parts = _alone(parts)
     name = parts.config.run.name
     run_dir = Path(resume_dir or out or os.environ.get("FAST_RUN_DIR") or
-                   (new_folder(Path("runs"), name) if alone else default_run_dir(parts.config)))  # fmt: skip
+                   (new_folder(Path("runs"), name) if alone else default_run_dir(name)))  # fmt: skip
     if alone:  # no launcher holds the folder for this run: the script itself does
         claim(run_dir)
     job = Job(parts, run_dir, resume=bool(resume_dir), alone=alone)
@@ -189,18 +181,6 @@ def _alone(parts: JobParts) -> JobParts:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     os.environ["FAST_STORE_FILE"] = str(Path(folder) / "store")
     return parts
-
-
-def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool) -> None:
-    """The run folder with config.toml (what the run uses: see Config.as_used); a fresh run in a used folder
-    starts clean (rank 0, before the others)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
-            stale.unlink(missing_ok=True)
-        for stale in run_dir.glob("checkpoints/replica*-step*"):  # a sharded run's (fast.shards.checkpoint)
-            shutil.rmtree(stale, ignore_errors=True)
-    files.write_text(run_dir / "config.toml", config.as_used_toml(fast_loop))
 
 
 class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):

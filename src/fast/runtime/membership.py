@@ -45,6 +45,7 @@ from fast.comm.comm import Comm
 from fast.config import Config
 from fast.errors import ConfigError, FastError
 from fast.ownership import flat
+from fast.parts import Deployment
 from fast.runtime import files
 from fast.runtime.run_store import Refused as StoreRefused
 from fast.runtime.run_store import RunStore, RunStoreServer
@@ -169,22 +170,23 @@ def config_difference(run: Config, joiner: Config) -> str | None:
 
 
 class Coordinator:
-    """The run's membership, kept by its launcher: serves the store, admits joiners, publishes generations."""
+    """The run's membership, kept by its launcher: serves the store, admits joiners, publishes generations. Its
+    `deployment` says who founds the run and what it takes; its `config` is what a joiner's must equal."""
 
-    def __init__(self, run_dir: Path, config: Config, addr: str, founders: int, first_joiner: int | None = None,
-                 needs_worker_0: bool = False) -> None:  # fmt: skip
-        self.run_dir, self.config, self.needs_worker_0 = run_dir, config, needs_worker_0
+    def __init__(self, run_dir: Path, config: Config, deployment: Deployment, addr: str) -> None:
+        self.run_dir, self.config, self.deployment = run_dir, config, deployment
+        self.needs_worker_0 = deployment.needs_worker_0
         secret = secrets.token_bytes(32)
-        self.server = RunStoreServer(addr, config.run.master_port or 0, secret)
+        self.server = RunStoreServer(addr, deployment.port, secret)
         self.access = Access(addr, self.server.port, secret)
         self.secret_file = run_dir / SECRET_FILE
         files.write_text(self.secret_file, secret.hex(), private=True)
         files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.server.port}))
         self.store = connect(self.access, 30.0)
-        self.shards = config.run.shards  # a replica's processes: its K consecutive ids come and go together
-        self.members = list(range(founders))
+        self.shards = deployment.shards  # a replica's processes: its K consecutive ids come and go together
+        self.members = list(range(deployment.workers * deployment.shards))  # the founders
         self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
-        self.next_id = founders if first_joiner is None else first_joiner  # (the ids between: the servers)
+        self.next_id = deployment.processes  # (the ids between the founders and the joiners: the servers)
         self.generation = Generation(0, list(self.members), unix_time=time.time())
         self._exited: dict[int, str] = {}
         self._seen_requests = 0
@@ -297,7 +299,7 @@ class Coordinator:
         gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
         self.members = members
-        failed = why_it_ends(members[::k], self.config.run.min_workers, self.needs_worker_0)
+        failed = why_it_ends(members[::k], self.deployment.min_workers, self.needs_worker_0)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
 
     def _departures(self, store: Any) -> list[dict[str, Any]]:
@@ -354,7 +356,7 @@ class Coordinator:
         difference = config_difference(self.config, joiner)
         if difference is not None:
             return f"its config differs from the run's: {difference}"
-        limit = self.config.run.max_workers or 256
+        limit = self.deployment.max_workers or 256
         if (size + len(self.pending)) // self.shards >= limit:  # (a sharded run's workers are replicas of K)
             return f"the run already has {size // self.shards} workers, its run.max_workers: try again when one leaves"
         return None

@@ -1,4 +1,5 @@
-"""A run folder belongs to one run: a default name that no other run takes, and a lock the live run holds.
+"""A run folder belongs to one run: a default name that no other run takes, a lock the live run holds, and a fresh
+start (config.toml written, an earlier run's records cleared) unless the run resumes.
 
 A default folder is made under runs/ with the run's name and the time, and a suffix (-2, -3, ...) when a run started
 in the same second has that name already: the folder is created atomically, so two runs cannot both get it. The
@@ -12,11 +13,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fast.comm import bootstrap as engine
 from fast.errors import ConfigError
+from fast.runtime import files
+
+if TYPE_CHECKING:
+    from fast.config import Config
 
 LOCK = ".lock"
 _held: dict[Path, int] = {}  # folders this process holds: their lock files' descriptors
@@ -34,6 +42,13 @@ def new_folder(parent: Path, name: str) -> Path:
         except FileExistsError:
             continue
     raise ConfigError(f"{parent} has no free name for {name}-{stamp}: give the run folder with --out")
+
+
+def default_run_dir(name: str) -> Path:
+    """runs/NAME-TIME, made now and no other run's; under torchrun, runs/NAME-RUN_ID, the same on every rank."""
+    if engine.under_torchrun():
+        return Path("runs") / f"{name}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
+    return new_folder(Path("runs"), name)
 
 
 def check_folder(run_dir: Path) -> None:
@@ -84,3 +99,15 @@ def claimed(run_dir: Path) -> Iterator[None]:
     finally:
         if not already:
             release(run_dir)
+
+
+def prepare_run_dir(config: Config, run_dir: Path, resume: bool, fast_loop: bool) -> None:
+    """The run folder with config.toml (what the run uses: see Config.as_used); a fresh run in a used folder
+    starts clean (rank 0, before the others)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for stale in [*run_dir.glob("workers/metrics-*.jsonl"), *run_dir.glob("checkpoints/*.pt")]:
+            stale.unlink(missing_ok=True)
+        for stale in run_dir.glob("checkpoints/replica*-step*"):  # a sharded run's (fast.shards.checkpoint)
+            shutil.rmtree(stale, ignore_errors=True)
+    files.write_text(run_dir / "config.toml", config.as_used_toml(fast_loop))

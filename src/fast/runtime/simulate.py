@@ -19,21 +19,22 @@ from fast.config import Config
 from fast.emulation.deployment import link_table
 from fast.emulation.simulated_machine import Crashed
 from fast.emulation.wire import ideal_links, start
+from fast.parts import Deployment
 from fast.runtime.launch import Failure, WorkerFailed, _root_cause, failure_of
 from fast.runtime.simulated_membership import SimulatedMembership
 
 
-def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = (), *,
-             survivable: bool = False) -> dict[int, Any]:  # fmt: skip
-    """Run `fn(*args)` as each of `nprocs` simulated processes; returns each rank's return value, or raises
-    WorkerFailed as `launch` does (with `survivable`, a rank other than 0 that crashes or fails is left out). A
+def simulate(fn: Callable[..., Any], config: Config, deployment: Deployment, args: tuple = ()) -> dict[int, Any]:
+    """Run `fn(*args)` as each process of the `deployment`, simulated; returns each rank's return value, or raises
+    WorkerFailed as `launch` does (in a survivable run, a rank other than 0 that crashes or fails is left out). A
     live run (`run.membership = "live"`) keeps its membership in the simulation (fast.runtime.simulated_membership):
     any member may go, worker 0 too, and the run ended well if a member wrote its outputs (a joiner's result is
-    returned with the founders')."""
+    returned with the founders'). The emulated links come from `config` ([network]), as a real process's do."""
     sim = Simulation()
+    nprocs, workers = deployment.processes, deployment.workers
     links = link_table(config, nprocs) if config.network is not None else ideal_links(nprocs)
     wire = start(sim, nprocs, links, config.run.seed)
-    wire.workers = config.run.workers
+    wire.workers = workers
 
     def failed(task: Task) -> None:  # a process that fails closes its connections: its peers learn it at once
         if task.rank not in wire.gone and not _ended_well(task.error):
@@ -41,20 +42,19 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
 
     sim.on_failure = failed
     threads = torch.get_num_threads()
-    torch.set_num_threads(config.run.threads_per_worker or os.cpu_count() or 1)  # one process computes at a time
-    workers = config.run.workers
+    torch.set_num_threads(deployment.threads or os.cpu_count() or 1)  # one process computes at a time
     membership = None
     try:
         tasks = [sim.spawn(lambda: fn(*args), f"worker {r}" if r < workers else f"server {r - workers + 1}",
                            rank=r, main=True) for r in range(nprocs)]  # fmt: skip
-        if config.run.live:
+        if deployment.live:
 
             def start_joiner(r: int) -> None:
                 tasks.append(sim.spawn(lambda: fn(*args), f"worker {r}", rank=r, main=True))
 
-            membership = SimulatedMembership(sim, wire, config, nprocs, start_joiner)
+            membership = SimulatedMembership(sim, wire, deployment, nprocs, start_joiner)
             sim.shared["membership"] = membership
-            if config.faults is not None and config.faults.churn is not None:
+            if deployment.churn is not None:
                 sim.spawn(membership.churn, "churn")
         deadlock = None
         try:
@@ -77,7 +77,7 @@ def simulate(fn: Callable[..., Any], config: Config, nprocs: int, args: tuple = 
         ended_well = membership.written and deadlock is None
     else:
         ended_well = not isinstance(outputs.get(0), Failure) and tasks[0].done and deadlock is None
-    if survivable and ended_well:
+    if deployment.survivable and ended_well:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, {})
     if failure is not None:

@@ -22,10 +22,10 @@ import torch
 from fast.comm import timing
 from fast.comm.comm import Comm
 from fast.comm.scheduler import Simulation, current_task
-from fast.config import Config
 from fast.emulation.simulated_comm import SimComm
 from fast.emulation.simulated_machine import Crashed
 from fast.emulation.wire import Wire
+from fast.parts import Deployment
 from fast.runtime.churn import ChurnDraws
 from fast.runtime.membership import Generation, RunEnded, why_it_ends
 
@@ -35,9 +35,9 @@ CHURN_POLL_S = 0.05  # virtual seconds between the churn task's looks at the mem
 class SimulatedMembership:
     """The run's membership (what the Coordinator is to real processes); `start_worker(id)` starts a joiner."""
 
-    def __init__(self, sim: Simulation, wire: Wire, config: Config, founders: int,
+    def __init__(self, sim: Simulation, wire: Wire, deployment: Deployment, founders: int,
                  start_worker: Callable[[int], None]) -> None:  # fmt: skip
-        self.sim, self.wire, self.config, self.start_worker = sim, wire, config, start_worker
+        self.sim, self.wire, self.deployment, self.start_worker = sim, wire, deployment, start_worker
         self.generations = [Generation(0, list(range(founders)))]
         self.next_id = founders
         self.joiners: set[int] = set()
@@ -57,7 +57,7 @@ class SimulatedMembership:
     def publish(self, joined: list[int] = (), left: list[dict[str, Any]] = ()) -> None:  # type: ignore[assignment]
         gone = {entry["member"] for entry in left}
         members = [m for m in self.newest.members if m not in gone] + list(joined)
-        failed = why_it_ends(members, self.config.run.min_workers)
+        failed = why_it_ends(members, self.deployment.min_workers)
         number = len(self.generations)
         self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed))
         self.wake_all()
@@ -99,7 +99,7 @@ class SimulatedMembership:
         """The churn task (see the module): until member 0 says the run is ending. The draws are a real run's, in
         the same order (fast.runtime.churn.ChurnDriver); the stays wait in a heap, so that a look costs the changes
         since the last one, not the members (a thousand of them at every look)."""
-        draws = ChurnDraws(self.config)
+        draws = ChurnDraws(self.deployment.churn)
         drawn: set[int] = set()  # the members whose stay is drawn
         leaves: list[tuple[float, int]] = []  # (when it leaves, member), a heap
         returns: list[float] = []  # when a new worker comes in

@@ -23,10 +23,9 @@ from fast.jobs.code import check_data
 from fast.jobs.loop import train_worker
 from fast.parts import Deployment, JobParts, UserCode, deployment_of, resolve
 from fast.runtime.churn import ChurnDriver
-from fast.runtime.job import default_run_dir, prepare_run_dir
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
 from fast.runtime.membership import Coordinator
-from fast.runtime.run_folder import check_folder, claim, claimed, release
+from fast.runtime.run_folder import check_folder, claim, claimed, default_run_dir, prepare_run_dir, release
 from fast.strategies import strategy_for, strategy_options
 
 
@@ -36,16 +35,18 @@ def prepare(config: Any = None, *, out: str | Path | None = None, resume: str | 
     until `run_folder.release`); nothing is started."""
     if isinstance(config, str | Path) and Path(config).is_file():
         add_search_path(str(Path(config).resolve().parent))
+    source = config
+    if resume is not None:
+        if not (Path(resume) / "config.toml").is_file():
+            raise ConfigError(f"--resume {Path(resume)}: no config.toml there; give the folder of an earlier run")
+        source = config if config is not None else Path(resume) / "config.toml"
+    parts = resolve(source, user, **overrides)
+    check_data(parts.data)  # data that is not there fails here, before anything starts (or any folder is made)
     if resume is not None:
         run_dir = Path(resume)
-        if not (run_dir / "config.toml").is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.toml there; give the folder of an earlier run")
-        parts = resolve(config if config is not None else run_dir / "config.toml", user, **overrides)
     else:
-        parts = resolve(config, user, **overrides)
-        run_dir = Path(out) if out is not None else default_run_dir(parts.config)
+        run_dir = Path(out) if out is not None else default_run_dir(parts.config.run.name)
     check_folder(run_dir)
-    check_data(parts.data)  # data that is not there fails here, before anything starts
     if not engine.under_torchrun():  # torchrun's ranks share the folder: no one of them holds it
         claim(run_dir)  # before anything in it is cleared: another live run may hold it
     try:
@@ -93,16 +94,13 @@ def _launch_live(fn: Any, config: Config, deployment: Deployment, run_dir: Path,
     founder may die, worker 0 too (the lowest live member does its duties), others join with `fast join`, and the
     run goes on while a member is left, until one writes its outputs. (A detached strategy's servers take the ids
     after the workers', and its worker 0 must stay: fast.runtime.detached.)"""
-    needs_worker_0 = strategy_for(config).joins_alone
-    coordinator = Coordinator(run_dir, config, addr, deployment.workers * deployment.shards,
-                              first_joiner=deployment.processes,
-                              needs_worker_0=needs_worker_0)  # fmt: skip
-    churn = ChurnDriver(run_dir, config, coordinator) if deployment.churn else None
+    coordinator = Coordinator(run_dir, config, deployment, addr)
+    churn = ChurnDriver(run_dir, deployment.churn, coordinator) if deployment.churn is not None else None
     try:
         outputs = launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
                          survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
                          on_exit=coordinator.exited, together=deployment.shards,
-                         goes_on=None if needs_worker_0 else coordinator.wait_for_the_end)  # fmt: skip
+                         goes_on=None if deployment.needs_worker_0 else coordinator.wait_for_the_end)  # fmt: skip
         writer, summary = coordinator.writer, run_dir / "summary.json"
         if writer is not None and writer not in outputs and summary.is_file():  # a joiner's (`fast join`'s) process
             outputs[writer] = json.loads(summary.read_text())
@@ -127,7 +125,7 @@ def _simulate(fn: Any, config: Config, deployment: Deployment, args: tuple, extr
     argv, main = list(sys.argv), sys.modules.get("__main__")
     try:
         with variables_set(extra_env or {}):
-            return simulate(fn, config, deployment.processes, args, survivable=deployment.survivable)
+            return simulate(fn, config, deployment, args)
     finally:
         sys.argv[:] = argv
         if main is not None:
@@ -211,7 +209,7 @@ def run_script(
     dotted["run.workers"] = workers
     launcher_config = load_config(base, run__workers=workers)
     deployment = deployment_of(launcher_config, strategy_for(launcher_config), strategy_options(launcher_config))
-    run_dir = Path(resume or out or default_run_dir(launcher_config))
+    run_dir = Path(resume or out or default_run_dir(launcher_config.run.name))
     env = {
         "FAST_OVERRIDES": json.dumps(dotted),
         "FAST_RUN_DIR": str(run_dir.resolve()),
