@@ -20,7 +20,11 @@ comes back after a mean absence of `--absence`); its goodput is the samples trai
 member is present from the generation it enters to the one that leaves it out: a dead member counts until it is
 found gone, a joiner from when it takes part). On a machine of few cores fewer members each step faster, which
 flatters churn; so the steady run it is held against has the churned run's mean members (rounded), for as long.
-Target: churned / steady >= 0.9 per member-second."""
+Target: churned / steady >= 0.9 per member-second. Each failure's recovery: the seconds from the churn driver's order to
+leave (summary `membership`, `left`: `evicted_unix_time`; the member dies within a heartbeat, 0.5 s) to the first
+generation without it formed and healed (its `unix_time`: the survivors take their next step together), the periodic
+family's including the local steps the survivors take to the end of the round; median/max over a run's failures, and
+over every seed's per strategy (a member that went on its own, not told by churn, has none)."""
 
 from __future__ import annotations
 
@@ -62,6 +66,18 @@ def member_seconds(events: list[dict], train_s: float) -> float:
     return sum(len(e["members"]) * max(0.0, end - e["unix_time"]) for e, end in zip(events, ends, strict=True))
 
 
+def recovery_seconds(events: list[dict]) -> list[float]:
+    """Per member churn told to leave, the seconds to the first generation without it formed and healed (see the
+    module), from a run's generations (`summary["membership"]`); a member that left on its own has none."""
+    return [e["unix_time"] - left["evicted_unix_time"] for e in events[1:] for left in e["left"]
+            if "evicted_unix_time" in left]  # fmt: skip
+
+
+def median_and_max(seconds: list[float]) -> str:
+    """`seconds`' median and max, and how many: "median/max (n)" (a dash when there are none)."""
+    return f"{statistics.median(seconds):.1f}/{max(seconds):.1f} ({len(seconds)})" if seconds else "-"
+
+
 def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: tuple[float, float] | None,
             network: dict[str, str], samples: int | None = None) -> dict:  # fmt: skip
     """One run of `seconds` of training, or (`samples`) of that many samples, with a backstop of 5x the time;
@@ -92,6 +108,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "catch_up_s": round(sum(e["catch_up_s"] for e in events[1:]), 3),
         "changes": max(0, len(events) - 1),
         "leaves": sum(len(e["left"]) for e in events[1:]),
+        "recovery_s": [round(s, 2) for s in recovery_seconds(events)],
         "workers_at_end": summary.get("workers_at_end"),
     }
 
@@ -168,6 +185,7 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
             members = max(1, round(churned["member_s"] / churned["train_s"]))
             steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members, args.time, None,
                              network)  # fmt: skip
+            churned["recovery_median_max_s"] = median_and_max(churned["recovery_s"])
             for row in (churned, steady):
                 row["goodput"] = row["samples"] / row["member_s"]
                 rows.append(row)
@@ -175,7 +193,8 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
     (args.out / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"\nfailures every {args.failure_every:g} s on average (each member's mean stay "
           f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a run, {args.seeds} seeds")  # fmt: skip
-    print(f"{'strategy':<10} {'failures':>9} {'members':>8} {'churned/s':>10} {'steady/s':>9} {'ratio':>13}")
+    print(f"{'strategy':<10} {'failures':>9} {'members':>8} {'churned/s':>10} {'steady/s':>9} {'ratio':>6}"
+          f" {'min-max':<11} {'recovery s median/max (n)':>26}")  # fmt: skip
     met = True
     for strategy in args.strategies:
         pairs = [(c, s) for c, s in zip(rows[::2], rows[1::2], strict=True) if c["strategy"] == strategy]
@@ -186,7 +205,8 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
               f" {statistics.mean(c['member_s'] / c['train_s'] for c, _ in pairs):>8.2f}"
               f" {statistics.mean(c['goodput'] for c, _ in pairs):>10.1f}"
               f" {statistics.mean(s['goodput'] for _, s in pairs):>9.1f}"
-              f" {statistics.mean(ratios):>6.3f} {spread}")  # fmt: skip
+              f" {statistics.mean(ratios):>6.3f} {spread:<11}"
+              f" {median_and_max([s for c, _ in pairs for s in c['recovery_s']]):>26}")  # fmt: skip
     print(f"\nsamples per member-second, churned / steady >= {GOODPUT_TARGET}: {'met' if met else 'NOT met'}")
     return 0
 

@@ -189,6 +189,7 @@ class Coordinator:
         self.next_id = deployment.processes  # (the ids between the founders and the joiners: the servers)
         self.generation = Generation(0, list(self.members), unix_time=time.time())
         self._exited: dict[int, str] = {}
+        self._evicted: dict[int, float] = {}  # member -> when churn told it to leave (unix time)
         self._seen_requests = 0
         self._unwritten_since: float | None = None  # when the next request was counted and found unwritten
         self._lock = threading.Lock()
@@ -227,6 +228,8 @@ class Coordinator:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
         the run is closed or ending (its last collectives need every member: a crash then ends the run)."""
         if not _closed(self.store):
+            with self._lock:
+                self._evicted[member] = time.time()
             self.store.set(PREFIX + f"evict/{member}", how)
 
     def wait_for_the_end(self) -> bool:
@@ -303,19 +306,26 @@ class Coordinator:
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
 
     def _departures(self, store: Any) -> list[dict[str, Any]]:
-        """The members that have gone (as read through `store`): how each went."""
+        """The members that have gone (as read through `store`): how each went, and when churn told it to go
+        (`evicted_unix_time`: it goes within a heartbeat of that)."""
         now, left = time.time(), []
         with self._lock:
-            exited = dict(self._exited)
+            exited, evicted = dict(self._exited), dict(self._evicted)
         for member in self.members:
             said = read_key(store, f"leave/{member}")
             silent_s = now - beat_time(read_key(store, f"heartbeat/{member}"), now)
             if said is not None:
-                left.append({"member": member, "how": said.decode(errors="replace")[:200]})
+                how = said.decode(errors="replace")[:200]
             elif member in exited:
-                left.append({"member": member, "how": exited[member]})
+                how = exited[member]
             elif silent_s > SILENT_S:
-                left.append({"member": member, "how": f"silent for {silent_s:.0f}s"})
+                how = f"silent for {silent_s:.0f}s"
+            else:
+                continue
+            entry = {"member": member, "how": how}
+            if member in evicted:
+                entry["evicted_unix_time"] = evicted[member]
+            left.append(entry)
         return left
 
     def _admissions(self) -> list[int]:
