@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
 
 
+@pytest.mark.slow  # (a bench's own check: every GPU session runs bench/gpu.py itself)
 def test_the_gpu_bench_runs_every_side_on_the_cpu_in_its_dry_run(tmp_path, no_orphans):
     out = tmp_path / "runs.json"
     done = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--out", str(out)], capture_output=True, text=True,

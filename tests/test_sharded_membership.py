@@ -71,6 +71,7 @@ def test_a_killed_process_takes_its_replica_out_and_a_joined_replica_heals_shard
     assert json.loads((run / "summary.json").read_text())["written_by"] == 0
 
 
+@pytest.mark.slow  # (worker 0's duties passing: test_membership's; a replica's leave and heal: the test above)
 def test_a_killed_process_of_the_first_replica_passes_worker_0s_duties_to_the_next(tmp_path, no_orphans):
     """Process 0 (shard 0 of the first replica, which does worker 0's duties) killed: its replica goes whole, the
     next replica's shard 0 evaluates and writes the run folder, and a joined replica heals from that one."""
