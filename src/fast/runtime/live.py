@@ -21,9 +21,10 @@ steps. It sits its first round out, taking the round's steps without data (its s
 counted, and no batch of the data cursor's), takes that state before the round's mean, and comes out of the mean
 level with the others (summary `membership`: `healed_behind`). A joiner of `sync` (FAST's own loop, without a codec)
 likewise takes each step's all-reduce without data until its state is in, keeping the step's averaged gradients; the
-members learn at each step's round how many still wait. Once its state is in, it applies the kept gradients as every
-member applied them (the same skips, clipping, learning rates), and takes the next step with data: that step is the
-only one that waits for it. It waits for the state at once if the kept gradients would pass `KEPT_BYTES`.
+members learn at each step's round whether one still waits (the joiners of one heal enter together). Once the
+states are in, each applies its kept gradients as every member applied them (the same skips, clipping, learning
+rates), and takes the step with data: that step is the only one that waits for it. A joiner whose kept gradients
+would pass `KEPT_BYTES` stops waiting on the others' steps and takes its state at once.
 
 The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
@@ -83,11 +84,13 @@ KEPT_BYTES = 1 << 30  # the most a sync joiner keeps of the averaged gradients o
 class Live:
     """The live-membership part of a Job (only used when `run.membership = "live"`)."""
 
-    # a round sat out by the joiners whose state comes behind the others' steps: (the step it ends before, how many)
+    # the steps sat out by the joiners whose state comes behind the others' steps: (the step they end before, or
+    # UNTIL_STATE_COMES for sync's, how many)
     _sitting_out: tuple[int, int] | None = None
     _coming: tuple[IncomingBytes, int] | None = None  # (a joiner's) that state under way, and its source's id
-    # (a sync joiner's) the steps it sat out: their averaged gradients, skip flags, and optimizer settings
-    _kept: list[tuple[list[torch.Tensor | None], Any, list[dict[str, Any]]]]
+    # (a sync joiner sitting out) the steps it sat out before its state was in: their averaged gradients, skip flags,
+    # and optimizer settings; None on a member that takes the steps
+    _kept: list[tuple[list[torch.Tensor | None], Any, list[dict[str, Any]]]] | None = None
     _kept_bytes = 0
     _sending: list[Any]  # (a source's) the sends of that state under way, and what they send
     _epoch_samples = 0  # the samples of an epoch's order (the loader's), where the data cursor turns over
@@ -221,41 +224,46 @@ class Live:
                 self._stopping = True
             if not answer.any(0):
                 self._boundary_at = self.step
-                if self._takes_the_step(answer.total(3), waiting):
+                if self._takes_the_step(answer.total(3)):
                     return
                 continue  # a step sat out, or a re-form (a peer went meanwhile, healed): the boundary again
             self._regroup(failed=False)
 
-    def _takes_the_step(self, waiting_members: int, waiting: bool) -> bool:
+    def _takes_the_step(self, waiting_members: int) -> bool:
         """After the boundary's round: whether this member takes the step now, not a joiner sitting out (a round of
-        the periodic family, a step of sync: `waiting_members`, this one among them if `waiting`, say their state
-        is not in yet)."""
+        the periodic family; a step of sync while `waiting_members` say their state is not in yet: the joiners of
+        one heal enter together, so that the members that take data are always the first ones of the group)."""
         if self._sitting_out is None or self._sitting_out[0] != UNTIL_STATE_COMES:
             return self._coming is None or self._sat_out()
-        self._sitting_out = (UNTIL_STATE_COMES, waiting_members) if waiting_members else None
-        if self._coming is None:
+        if not waiting_members:
+            self._sitting_out = None
+        if self._kept is None:
             return True
-        if waiting and not self.stopped:
+        ending = not waiting_members or self.stopped
+        if self._coming is not None and (ending or self._kept_bytes >= KEPT_BYTES) and not self._take_state_behind():
+            return False  # a peer went meanwhile: re-formed and healed
+        if not ending:
             self._sit_out_a_step()
             return False
-        return self._level_with_the_others()
+        self._kept = None
+        return True
 
     def _sat_out(self) -> bool:
         """A joiner whose state comes behind the others' steps takes the round's steps without data (its share
         of the round's mean zeros, not counted), takes that state before the round's mean, and comes out of the
         mean level with the others. False when a peer went meanwhile (re-formed and healed)."""
         until = self._sitting_out[0]
-        try:
-            while self.step < until and not self.stopped:
-                if self.step == until - 1:  # the round's mean comes at the end of this step
-                    self._take_state_behind()
+        while self.step < until and not self.stopped:
+            # (the round's mean comes at the end of its last step)
+            if self.step == until - 1 and self._coming is not None and not self._take_state_behind():
+                return False
+            try:
                 self._step_without_data()
-            if self._coming is not None:  # the run ended within the round: its last mean needs the state too
-                self._take_state_behind()
-            return True
-        except CommError:
-            self._regroup(failed=True)
-            return False
+            except CommError:
+                self._regroup(failed=True)
+                return False
+        # (the run ended within the round: its last mean needs the state too)
+        return self._coming is None or self._take_state_behind()
 
     def _waiting_for_state(self) -> bool:
         """(A sync joiner) its state is not in yet, and it may keep another step's gradients meanwhile."""
@@ -272,8 +280,11 @@ class Live:
             self._regroup(failed=True)
 
     def _keep_step(self) -> None:
-        """(A sync joiner) the averaged gradients of the step it sat out, its skip flag and the optimizer's settings
-        (learning rates) of that step: what every member applied."""
+        """(A sync joiner) what every member applied at the step it sat out: applied at once if its state is in,
+        else kept (the step's averaged gradients, its skip flag, the optimizer's settings such as learning rates)."""
+        if self._coming is None:
+            self.driver.replay([p.grad for p in self.driver.params], self.strategy.skips_step)
+            return
         grads = [None if p.grad is None else p.grad.detach().clone() for p in self.driver.params]
         skip = self.strategy.skips_step
         self._kept.append((grads, skip.clone() if torch.is_tensor(skip) else skip, self._optimizer_settings()))
@@ -285,23 +296,6 @@ class Live:
             for group, values in zip(self.optimizer.param_groups, settings, strict=True):
                 group.update(values)
         return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-
-    def _level_with_the_others(self) -> bool:
-        """(A sync joiner) its state, then the kept steps' averaged gradients applied as every member applied
-        them: it is level with the others for the step it takes next. False when a peer went meanwhile (re-formed
-        and healed)."""
-        kept, self._kept, self._kept_bytes = self._kept, [], 0
-        try:
-            self._take_state_behind(replayed=len(kept))
-        except CommError:
-            self._regroup(failed=True)
-            return False
-        now = self._optimizer_settings()
-        for grads, skip, settings in kept:
-            self._optimizer_settings(settings)
-            self.driver.replay(grads, skip)
-        self._optimizer_settings(now)
-        return True
 
     def _step_without_data(self, keep: bool = False) -> None:
         """One step sat out: the strategy's exchanges with zeros of this member's, the schedule and the data cursor
@@ -420,16 +414,32 @@ class Live:
                               "generation": self.generation.number, "fingerprint": fingerprint(self._model_state()),
                               "source_fingerprint": fingerprint_of_source, **more})  # fmt: skip
 
-    def _take_state_behind(self, **more: Any) -> None:
-        """(A joiner sitting out) the state its source sent when it came in, behind the steps since."""
+    def _take_state_behind(self) -> bool:
+        """(A joiner sitting out) the state its source sent when it came in, behind the steps since; a sync joiner
+        then applies the steps it kept, as every member applied them. False when a peer went meanwhile (re-formed
+        and healed)."""
         incoming, source_id = self._coming
         self._coming = None
         started = timing.now()
-        state = unpacked(incoming.take())
+        try:
+            state = unpacked(incoming.take())
+        except CommError:
+            self._regroup(failed=True)
+            return False
         self._load_holdings(state)
+        kept, self._kept_bytes = self._kept or [], 0
+        replayed = {"replayed": len(kept)} if self._kept is not None else {}
         self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4),
-                            **more)  # fmt: skip
+                            **replayed)  # fmt: skip
         self._follow_schedule()  # (the optimizer's state carries its learning rates of when it was sent)
+        now = self._optimizer_settings()
+        for grads, skip, settings in kept:
+            self._optimizer_settings(settings)
+            self.driver.replay(grads, skip)
+        self._optimizer_settings(now)
+        if self._kept is not None:
+            self._kept = []
+        return True
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
@@ -447,7 +457,7 @@ class Live:
         world = self.world if self.shards == 1 else self.groups.replicate
         started, me = timing.now(), world.index()
         # (what the last generation had under way)
-        self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], [], 0
+        self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], None, 0
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
         with world.unmetered():
@@ -500,6 +510,7 @@ class Live:
                     _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
                     self._load_progress(unpacked(progress))
                     self._coming = (channel.irecv_bytes(source, limit), source_id)
+                    self._kept = [] if until == UNTIL_STATE_COMES else None
                 else:
                     _, payload = world.recv_bytes(source, limit=limit)
                     state = unpacked(payload)
