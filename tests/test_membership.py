@@ -550,3 +550,44 @@ def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_ave
     first = [r["loss"] for r in steps_of[0] if "loss" in r][0]
     assert mine[0]["loss"] < 0.5 * first, (mine[0]["loss"], first)
     assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
+
+
+def test_a_join_published_while_a_rounds_mean_waits_for_a_joiners_state_stops_no_wait(tmp_path, no_orphans):
+    """A slow link: a diloco joiner's state comes seconds after its round's last step, and the round's mean waits
+    for it. A second joiner admitted meanwhile adds a member and takes none away, so the wait goes on: the first
+    joiner comes out of the mean level with the others, and the next heal sends a state to the newcomer only (the
+    first was healed whole again, 6.6 s of every member's time, when any newer generation gave the wait up)."""
+    run = tmp_path / "run"
+    slow = {"network.bandwidth": "1Mbit", "network.latency": "2ms"}
+    job = {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3}
+    proc = _start(run, {"run.workers": 3, "run.max_time": "300s", **job, **slow})
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    standby = [FAST, "join", str(run), "--standby"]
+    joiners = []
+    try:
+        _wait_for_step(run, 12, proc)
+        for _ in range(2):
+            joiners.append(subprocess.Popen(standby, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, env=env))  # fmt: skip
+        assert all("standby joiner ready" in j.stdout.readline() for j in joiners)
+        _worker(proc.pid, 1).send_signal(signal.SIGKILL)
+        time.sleep(3)
+        for joiner in joiners:  # the second's line while the first's round waits for its state
+            joiner.stdin.write("join\n")
+            joiner.stdin.flush()
+            time.sleep(2.5)
+        _stop_once_joined(run, joiners[1], run, 4)
+        joiners[0].communicate(timeout=120)
+        proc.communicate(timeout=120)
+    finally:
+        for p in (proc, *joiners):
+            if p.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.wait()
+    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners)
+    events = json.loads((run / "summary.json").read_text())["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2, 3, 4]], events
+    (first,) = _healed(run, 3)
+    assert first["behind"] and first["waited_s"] > 1, first  # the mean waited for its state
+    assert events[3]["step"] == first["step"] + 1, (events, first)  # the second was admitted during that wait
+    assert events[3]["healed"] == [4] and events[3]["healed_behind"] == [4], events

@@ -196,10 +196,16 @@ class Live:
                 self.strategy.regroup()
 
     def _superseded(self) -> str | None:
-        """Why a wait in this generation's group should give up: the coordinator has published a newer one (a peer
-        is gone, or one of them found a collective broken), which the members re-form without waiting any longer."""
+        """Why a wait in this generation's group should give up: the coordinator has published a newer one without a
+        member of this one (a peer is gone, or one of them found a collective broken), which the members re-form
+        without waiting any longer. One that only adds joiners stops no wait: the group ends what it began (a round
+        whose mean waits for a joiner's state, say) and takes them at its next boundary."""
         newest = self.member.newest()
-        return f"the membership changed (generation {newest})" if newest > self.generation.number else None
+        if newest <= self.generation.number:
+            return None
+        if set(self.generation.members) <= set(self.member.generation(newest).members):
+            return None
+        return f"the membership changed (generation {newest})"
 
     # -- at each step ----------------------------------------------------------------------------------------------
     def _membership_boundary(self) -> None:
