@@ -19,6 +19,7 @@ receives: a codec frame, a state like its own), so that no member makes another 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import re
@@ -184,9 +185,9 @@ class _Pieces:
 
 
 class IncomingBytes:
-    """A payload `isend_bytes` sends, received behind the receiver's work, on a thread of its own (a backend's
-    receive is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for it, and
-    raises what the receive raised (CommError: a peer gone, a length past `limit`, checked before allocating)."""
+    """A payload `send_bytes` sends, received behind the receiver's work by `recv_bytes` on a thread of its own (a
+    backend's receive is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for
+    it and raises what the receive raised (CommError: a peer gone, a length past `limit`)."""
 
     def __init__(self, comm: Any, src: int, limit: int) -> None:
         self.payload: torch.Tensor | None = None
@@ -196,12 +197,7 @@ class IncomingBytes:
 
     def _receive(self, comm: Any, src: int, limit: int) -> None:
         try:
-            length = torch.zeros(1, dtype=torch.int64)
-            comm.irecv(length, src).wait()
-            n = int(length[0])  # (a host tensor)
-            check_length(src, n, limit)
-            payload = torch.empty(n, dtype=torch.uint8)
-            self.payload = comm.irecv(payload, src).wait() if n else payload
+            self.payload = comm.recv_bytes(src, limit=limit)[1]
         except BaseException as e:  # (handed to `take`, on the caller's thread)
             self.error = e
 
@@ -428,11 +424,17 @@ class Comm:
         if payload.numel():
             self.send(payload.contiguous(), dst, tag)
 
-    def isend_bytes(self, payload: torch.Tensor, dst: int) -> list[Any]:
-        """Send a variable-length uint8 payload behind the caller's work (for `irecv_bytes`): its length, then its
-        bytes; returns the sends under way and what they send, to be kept until they are done."""
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-        return [self.isend(length, dst), self.isend(payload, dst), length, payload]
+    def isend_bytes(self, payload: torch.Tensor, dst: int) -> Any:
+        """`send_bytes` behind the caller's work, on a thread of its own (for `irecv_bytes`); returns the thread. A
+        peer gone meanwhile ends it quietly: the receiver's side is where the loss counts."""
+
+        def send() -> None:
+            with contextlib.suppress(CommError):
+                self.send_bytes(payload, dst)
+
+        thread = timing.Thread(send, "fast-outgoing")
+        thread.start()
+        return thread
 
     def irecv_bytes(self, src: int, limit: int) -> IncomingBytes:
         """Receive what `isend_bytes` sends, behind the caller's work (at most `limit` bytes)."""

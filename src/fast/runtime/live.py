@@ -92,7 +92,7 @@ class Live:
     # and optimizer settings; None on a member that takes the steps
     _kept: list[tuple[list[torch.Tensor | None], Any, list[dict[str, Any]]]] | None = None
     _kept_bytes = 0
-    _sending: list[Any]  # (a source's) the sends of that state under way, and what they send
+    _sending: list[Any]  # (a source's) the sends of that state under way
     _epoch_samples = 0  # the samples of an epoch's order (the loader's), where the data cursor turns over
 
     def _start_membership(self) -> None:
@@ -504,7 +504,7 @@ class Live:
                 for member in mine:
                     if member in behind_steps:  # where the run stands now; its weights behind the next steps
                         world.send_bytes(parts[0], world.ranks[member])
-                        self._sending += channel.isend_bytes(parts[1], world.ranks[member])
+                        self._sending.append(channel.isend_bytes(parts[1], world.ranks[member]))
                         sent += parts[0].numel() + parts[1].numel()
                     else:
                         world.send_bytes(whole, world.ranks[member])
