@@ -162,7 +162,8 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     name = strategy["strategy.name"]
     behind = name in ("local-sgd", "diloco", "sync")
     assert healed.get("behind", False) == behind and events[2]["healed_behind"] == ([4] if behind else [])
-    if name == "sync":
+    if name == "sync":  # the survivors applied, or discarded, the step the kill broke alike: none was healed
+        assert events[1]["healed"] == [], events[1]
         assert healed["replayed"] == healed["step"] - events[2]["step"] >= 0, (healed, events[2])
     else:
         assert healed["step"] == events[2]["step"] + (strategy["strategy.period"] - 1 if behind else 0)
@@ -552,11 +553,14 @@ def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_ave
     assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
 
 
-def test_a_join_published_while_a_rounds_mean_waits_for_a_joiners_state_stops_no_wait(tmp_path, no_orphans):
-    """A slow link: a diloco joiner's state comes seconds after its round's last step, and the round's mean waits
-    for it. A second joiner admitted meanwhile adds a member and takes none away, so the wait goes on: the first
-    joiner comes out of the mean level with the others, and the next heal sends a state to the newcomer only (the
-    first was healed whole again, 6.6 s of every member's time, when any newer generation gave the wait up)."""
+def test_a_periodic_joiner_whose_state_is_slower_than_a_round_sits_rounds_out_and_a_join_waits_for_it(
+    tmp_path, no_orphans
+):
+    """A slow link: a diloco joiner's state takes seconds, many rounds. The joiner sits them out, keeping what each
+    round's mean gave, and nobody waits for it; a second joiner admitted meanwhile adds a member and takes none away,
+    so the switch to it waits until the first has its state and has applied the kept means: the next heal then
+    finds no member but the newcomer whose state differs (a re-form had cut the first one's line, and it was healed
+    whole again, 6.6 s of every member's time, when the round's mean waited for its state)."""
     run = tmp_path / "run"
     slow = {"network.bandwidth": "1Mbit", "network.latency": "2ms"}
     job = {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3}
@@ -572,10 +576,10 @@ def test_a_join_published_while_a_rounds_mean_waits_for_a_joiners_state_stops_no
         assert all("standby joiner ready" in j.stdout.readline() for j in joiners)
         _worker(proc.pid, 1).send_signal(signal.SIGKILL)
         time.sleep(3)
-        for joiner in joiners:  # the second's line while the first's round waits for its state
+        for joiner in joiners:  # the second's line while the first's state is under way
             joiner.stdin.write("join\n")
             joiner.stdin.flush()
-            time.sleep(2.5)
+            time.sleep(1)
         _stop_once_joined(run, joiners[1], run, 4)
         joiners[0].communicate(timeout=120)
         proc.communicate(timeout=120)
@@ -588,6 +592,8 @@ def test_a_join_published_while_a_rounds_mean_waits_for_a_joiners_state_stops_no
     events = json.loads((run / "summary.json").read_text())["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2, 3, 4]], events
     (first,) = _healed(run, 3)
-    assert first["behind"] and first["waited_s"] > 1, first  # the mean waited for its state
-    assert events[3]["step"] == first["step"] + 1, (events, first)  # the second was admitted during that wait
+    assert first["behind"] and first["replayed"] >= 1, first  # rounds sat out before its state was in
+    # the second entered once the first had it (taken before a round's mean, or at the boundary it came by)
+    assert events[3]["step"] - first["step"] in (0, 1), (events, first)
+    # the first joiner is level with the founders, θ, outer momentum and counters, bit for bit
     assert events[3]["healed"] == [4] and events[3]["healed_behind"] == [4], events

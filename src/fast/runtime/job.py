@@ -309,6 +309,8 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         self.driver.on_begin = self._step_begins
         if self.live and not self.detached:  # (a detached worker's line fails alone: a server is gone)
             self.driver.on_failure = self._step_failed
+            if self.strategy.agrees_before_step:
+                self.driver.on_exchanged = self._agree_on_the_step
         self._schedule_state: dict[str, Any] | None = None
         self._checkpoint_due = False
         self.model: nn.Module | None = None

@@ -13,18 +13,24 @@ and every member learns it at the same step. They then leave their group, form t
 the oldest member, sends its whole state (weights, optimizer, step, schedule, data position, strategy state) to
 each joiner and to each member whose step is not its own, never through a file. A step whose collective fails (a
 peer died in it) is discarded on every survivor: no update is applied, the data cursor does not move, and the step
-is taken again over the new group, so no sample is lost or seen twice.
+is taken again over the new group, so no sample is lost or seen twice. Under `sync` the members take the next step's
+round after the step's all-reduce, before any applies the step: an all-reduce that a death broke on one survivor
+fails that round on all, so no survivor applies a step another discarded (which would leave it to be healed whole).
 
 A joiner of `local-sgd` or `diloco` (without a codec) stops nobody: it is sent where the run stands at once (step,
 data position, schedule), and its weights, optimizer and strategy state on a line of their own, behind the others'
 steps. It sits its first round out, taking the round's steps without data (its share of the round's mean zeros, not
 counted, and no batch of the data cursor's), takes that state before the round's mean, and comes out of the mean
-level with the others (summary `membership`: `healed_behind`). A joiner of `sync` (FAST's own loop, without a codec)
-likewise takes each step's all-reduce without data until its state is in, keeping the step's averaged gradients; the
-members learn at each step's round whether one still waits (the joiners of one heal enter together). Once the
-states are in, each applies its kept gradients as every member applied them (the same skips, clipping, learning
-rates), and takes the step with data: that step is the only one that waits for it. A joiner whose kept gradients
-would pass `KEPT_BYTES` stops waiting on the others' steps and takes its state at once.
+level with the others (summary `membership`: `healed_behind`). A state slower than a round waits for nobody: the
+joiner keeps what the round's mean gave, sits rounds out until the state is in (the members learn at each round's
+start whether one still waits), and then applies the kept means as every member did. A joiner of `sync` (FAST's own
+loop, without a codec) likewise takes each step's all-reduce without data until its state is in, keeping the step's
+averaged gradients; the members learn at each step's round whether one still waits (the joiners of one heal enter
+together). Once the states are in, each applies its kept gradients as every member applied them (the same skips,
+clipping, learning rates), and takes the step with data: that step is the only one that waits for it. A joiner whose
+kept gradients would pass `KEPT_BYTES` stops waiting on the others' steps and takes its state at once. A generation
+that only adds members waits for the joiners whose state is under way (a re-form would cut that state's line); one
+that loses a member does not, and they are healed whole at the re-form.
 
 The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
@@ -36,6 +42,8 @@ import contextlib
 import hashlib
 import os
 import signal
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +54,7 @@ from fast.comm.comm import IncomingBytes, limit_for, packed, unpacked
 from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
-from fast.runtime.control import Control
+from fast.runtime.control import Answer, Control
 from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded
 from fast.runtime.simulated_membership import simulated_member
 from fast.shards.local import load_local_optimizer_state, local_optimizer_state, local_tensor
@@ -78,7 +86,7 @@ def fingerprint(state: dict[str, Any]) -> str:
 
 
 PROGRESS_BYTES = 1 << 20  # the most a state without its tensors (step, data position, schedule) may be
-KEPT_BYTES = 1 << 30  # the most a sync joiner keeps of the averaged gradients of the steps it sits out
+KEPT_BYTES = 1 << 30  # the most a joiner keeps of the averages of the steps or rounds it sits out
 
 
 class Live:
@@ -88,12 +96,15 @@ class Live:
     # UNTIL_STATE_COMES for sync's, how many)
     _sitting_out: tuple[int, int] | None = None
     _coming: tuple[IncomingBytes, int] | None = None  # (a joiner's) that state under way, and its source's id
-    # (a sync joiner sitting out) the steps it sat out before its state was in: their averaged gradients, skip flags,
-    # and optimizer settings; None on a member that takes the steps
-    _kept: list[tuple[list[torch.Tensor | None], Any, list[dict[str, Any]]]] | None = None
+    # (a joiner sitting out) what every member applied at the steps (sync) or rounds (the periodic family) it sat out
+    # before its state was in, each to be applied as they did once it is; None on a member that takes the steps
+    _kept: list[Callable[[], None]] | None = None
     _kept_bytes = 0
     _sending: list[Any]  # (a source's) the sends of that state under way
     _epoch_samples = 0  # the samples of an epoch's order (the loader's), where the data cursor turns over
+    # (a strategy that `agrees_before_step`) the next step's membership round, taken after this step's exchange:
+    # (that step, the answer, this member's samples when it answered)
+    _answered: tuple[int, Answer, int] | None = None
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
@@ -169,7 +180,7 @@ class Live:
         n, rank = len(generation.members), generation.members.index(self.rank)
         # emulated links, the same between any two members (a simulated group's are on the simulation's wire)
         network = None if self.simulated else network_for(self.config, n, rank)
-        self.generation = generation
+        self.generation, self._answered = generation, None
         try:
             world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
                                      comm_maker(network, self.config.run.allreduce_piece_kb))  # fmt: skip
@@ -213,34 +224,63 @@ class Live:
         if self._boundary_at == self.step or not self.strategy.change_point(self.step):
             return
         while True:
-            first = self.world.index() == 0
-            newer = int(first and self.member.newest() > self.generation.number)
-            ending = int(self._budget_spent(self._run_time(self.trained_s)) or (first and self.member.stopping()))
-            fresh = self.driver.samples - self._samples_reported
+            answered, self._answered = self._answered, None
             try:
-                waiting = int(self._waiting_for_state())
-                answer = self.control.round(control.MEMBERSHIP, self.step, [newer, ending, fresh, waiting], set())
+                if answered is not None and answered[0] == self.step:
+                    answer, samples = answered[1:]
+                else:
+                    answer, samples = self._membership_round(self.step), self.driver.samples
             except CommError:
                 self._regroup(failed=True)
                 continue
             # (a member gone since the last boundary takes what it trained since with it: a round it did not end)
             self.samples_trained += answer.total(2)
-            self._samples_reported = self.driver.samples
+            self._samples_reported = samples
             if answer.any(1) or self._samples_spent():
                 self._stopping = True
-            if not answer.any(0):
+            # a generation that only adds members waits for the joiners whose state is under way (a re-form would cut
+            # its line, and they would be healed whole again): they take it before the next boundary
+            if not answer.any(0) or (answer.total(3) and not answer.any(4)):
                 self._boundary_at = self.step
                 if self._takes_the_step(answer.total(3)):
                     return
                 continue  # a step sat out, or a re-form (a peer went meanwhile, healed): the boundary again
+            if self._coming is not None and not answer.any(4) and not self._take_state_behind():
+                continue  # (a joiner whose state came since its last step takes it first) a peer went meanwhile
             self._regroup(failed=False)
+
+    def _membership_round(self, step: int) -> Answer:
+        """The members' round before `step`: whether member 0 sees a newer generation, whether the run ends, the
+        samples each trained since its last round, whether each (a joiner sitting out) still waits for its state,
+        whether member 0 sees a newer generation without one of this one's members."""
+        first = self.world.index() == 0
+        newer = int(first and self._change_pending())
+        ending = int(self._budget_spent(self._run_time(self.trained_s)) or (first and self.member.stopping()))
+        fresh = self.driver.samples - self._samples_reported
+        waiting = int(self._waiting_for_state())
+        departed = int(newer and self._superseded() is not None)
+        return self.control.round(control.MEMBERSHIP, step, [newer, ending, fresh, waiting, departed], set())
+
+    def _change_pending(self) -> bool:
+        """Whether the coordinator has published a generation newer than this member's."""
+        return self.member.newest() > self.generation.number
+
+    def _agree_on_the_step(self) -> None:
+        """(A strategy that `agrees_before_step`) after the step's exchange, before any member applies it: the next
+        step's membership round, taken now (the boundary before that step reads its answer). A member whose
+        exchange failed (a peer died in it) takes no part, so the round fails on every member and every member
+        discards the step (CommError): a kill inside an all-reduce that completed on some survivors and not on
+        others no longer leaves them unlike, to be healed whole at the re-form."""
+        step = self.step + 1
+        if self.strategy.change_point(step):
+            self._answered = (step, self._membership_round(step), self.driver.samples)
 
     def _takes_the_step(self, waiting_members: int) -> bool:
         """After the boundary's round: whether this member takes the step now, not a joiner sitting out (a round of
         the periodic family; a step of sync while `waiting_members` say their state is not in yet: the joiners of
         one heal enter together, so that the members that take data are always the first ones of the group)."""
         if self._sitting_out is None or self._sitting_out[0] != UNTIL_STATE_COMES:
-            return self._coming is None or self._sat_out()
+            return self._between_rounds(waiting_members)
         if not waiting_members:
             self._sitting_out = None
         if self._kept is None:
@@ -254,26 +294,55 @@ class Live:
         self._kept = None
         return True
 
+    def _between_rounds(self, waiting_members: int) -> bool:
+        """(The periodic family) after a round's boundary round: joiners that sat a round out sit the next one out
+        too while one of them still waits for its state (`waiting_members`: every member learns it, and takes one
+        batch fewer per step for each), else they enter together. Whether this member takes the step now."""
+        if self._sitting_out is not None and self.step >= self._sitting_out[0]:
+            until = self.strategy.sits_out_from(self.step) if waiting_members else None
+            self._sitting_out = None if until is None else (until, self._sitting_out[1])
+        if self._kept is None:
+            return True
+        if self._sitting_out is None:  # in: the state taken (if it came after a round's mean, that mean applied)
+            entered = self._coming is None or self._take_state_behind()
+            self._kept = None if entered else self._kept
+            return entered
+        if not self._sat_out():
+            return False  # a peer went meanwhile: re-formed and healed
+        return self.stopped  # (else the next round's boundary)
+
     def _sat_out(self) -> bool:
         """A joiner whose state comes behind the others' steps takes the round's steps without data (its share
-        of the round's mean zeros, not counted), takes that state before the round's mean, and comes out of the
-        mean level with the others. False when a peer went meanwhile (re-formed and healed)."""
+        of the round's mean zeros, not counted). It takes that state before the round's mean if it is in, and comes
+        out of the mean level with the others; else it keeps what the mean gave, to apply once the state is in.
+        False when a peer went meanwhile (re-formed and healed)."""
         until = self._sitting_out[0]
         while self.step < until and not self.stopped:
-            # (the round's mean comes at the end of its last step)
-            if self.step == until - 1 and self._coming is not None and not self._take_state_behind():
+            # (the round's mean comes at the end of its last step; a generation published meanwhile waits for the state)
+            last = self.step == until - 1 and self._coming is not None
+            if last and (not self._waiting_for_state() or self._change_pending()) and not self._take_state_behind():
                 return False
             try:
                 self._step_without_data()
             except CommError:
                 self._regroup(failed=True)
                 return False
+            self._keep_round()
         # (the run ended within the round: its last mean needs the state too)
-        return self._coming is None or self._take_state_behind()
+        return not self.stopped or self._coming is None or self._take_state_behind()
+
+    def _keep_round(self) -> None:
+        """(A periodic joiner whose state was not in at its round's mean) what the mean gave, applied to the state
+        once it is in, as every member applied it then."""
+        mean, self.strategy.sat_out_mean = self.strategy.sat_out_mean, None
+        if mean is not None and self._coming is not None:
+            self._kept.append(partial(self.strategy.replay_round, mean, self.step - 1))
+            self._kept_bytes += mean.numel() * mean.element_size()
 
     def _waiting_for_state(self) -> bool:
-        """(A sync joiner) its state is not in yet, and it may keep another step's gradients meanwhile."""
-        if self._coming is None or self._sitting_out[0] != UNTIL_STATE_COMES:
+        """(A joiner sitting out) its state is not in yet, and it may keep another step's or round's averages
+        meanwhile."""
+        if self._coming is None or self._kept is None:
             return False
         return self._kept_bytes < KEPT_BYTES and not self._coming[0].arrived()
 
@@ -293,8 +362,14 @@ class Live:
             return
         grads = [None if p.grad is None else p.grad.detach().clone() for p in self.driver.params]
         skip = self.strategy.skips_step
-        self._kept.append((grads, skip.clone() if torch.is_tensor(skip) else skip, self._optimizer_settings()))
+        skip = skip.clone() if torch.is_tensor(skip) else skip
+        self._kept.append(partial(self._replay_step, grads, skip, self._optimizer_settings()))
         self._kept_bytes += sum(g.numel() * g.element_size() for g in grads if g is not None)
+
+    def _replay_step(self, grads: list[torch.Tensor | None], skip: Any, settings: list[dict[str, Any]]) -> None:
+        """(A sync joiner whose state is in) a step it sat out, applied as every member applied it."""
+        self._optimizer_settings(settings)
+        self.driver.replay(grads, skip)
 
     def _optimizer_settings(self, settings: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The optimizer's settings of each group (learning rate, ...) as they are; `settings`: set to these."""
@@ -439,9 +514,8 @@ class Live:
                             **replayed)  # fmt: skip
         self._follow_schedule()  # (the optimizer's state carries its learning rates of when it was sent)
         now = self._optimizer_settings()
-        for grads, skip, settings in kept:
-            self._optimizer_settings(settings)
-            self.driver.replay(grads, skip)
+        for replay in kept:
+            replay()
         self._optimizer_settings(now)
         if self._kept is not None:
             self._kept = []
@@ -516,7 +590,7 @@ class Live:
                     _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
                     self._load_progress(unpacked(progress))
                     self._coming = (channel.irecv_bytes(source, limit), source_id)
-                    self._kept = [] if until == UNTIL_STATE_COMES else None
+                    self._kept = []
                 else:
                     _, payload = world.recv_bytes(source, limit=limit)
                     state = unpacked(payload)

@@ -105,6 +105,9 @@ class StepDriver:
         self.on_first_batch: Callable[[Any, Any], None] | None = None  # the first training forward's inputs, once
         # live membership: a step whose exchange failed (a peer is gone) is discarded, then this re-forms the group
         self.on_failure: Callable[[], None] | None = None
+        # (and a strategy that `agrees_before_step`) after the step's exchange, before its optimizer step: raises
+        # CommError unless every member's exchange went through, so that the step is discarded by all or by none
+        self.on_exchanged: Callable[[], None] | None = None
         self.failed = False
         self.replaying = False  # kept gradients go through the optimizer without the step's hooks (`replay`)
         self.model: nn.Module
@@ -249,6 +252,8 @@ class StepDriver:
                 self.strategy.after_backward(self.step)
                 if replica is not None and self.on_failure is not None:  # a live run's replica: discarded by all
                     replica.settle()  # shards or none (a shard whose exchange failed leaves this barrier broken)
+                if self.on_exchanged is not None:
+                    self.on_exchanged()
             except CommError:
                 if self.on_failure is None:
                     raise

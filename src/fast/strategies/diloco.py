@@ -99,16 +99,28 @@ class DiLoCo(PeriodicAveraging):
             self.mean(pseudo_gradient, "pseudo_gradient", [t.shape for t in self.params.tensors])
         elif not self.mean_of_movers(pseudo_gradient):
             return  # every worker's loop has ended: θ stays as it is (its momentum would still move it)
-        self.theta.grad = pseudo_gradient
-        self.outer.step()
-        self.theta.grad = None
-        self.params.write(self.theta)
+        self._step_theta(pseudo_gradient)
         if self.buffers.numel:
             buffers = self.buffers.read()
             self.comm.all_reduce(buffers, op="mean")
             self.buffers.write(buffers)
         self.rounds += 1
         self.last_round_step = self.last_step
+
+    def _step_theta(self, outer_gradient: torch.Tensor) -> None:
+        """The outer optimizer's step on θ, and every replica restarts from θ."""
+        self.theta.grad = outer_gradient
+        self.outer.step()
+        self.theta.grad = None
+        self.params.write(self.theta)
+
+    @torch.no_grad()
+    def replay_round(self, mean: torch.Tensor, step: int) -> None:
+        """The round's mean is the pseudo-gradient every worker's outer step took (the floating-point buffers, which
+        are averaged apart, stay as the state has them)."""
+        self._step_theta(mean)
+        self.rounds += 1
+        self.last_step = self.last_round_step = step
 
     def _eager(self, mine: torch.Tensor) -> torch.Tensor:
         """Send this round's pseudo-gradient on its way; the outer gradient from the last round's mean."""

@@ -75,6 +75,12 @@ class LocalSGD(PeriodicAveraging):
             return self.model
         return super().final_model(choice)
 
+    def replay_round(self, mean: torch.Tensor, step: int) -> None:
+        """The round's mean is the replicas' average: every replica became it."""
+        self.state.write(mean)
+        self.averagings += 1
+        self.last_step = self.last_averaged = step
+
     def state_dict(self) -> dict[str, Any]:
         """The averaging counters and, with a codec, the last average and the codec's error feedback (the
         schedule itself follows the step, and each worker's replica and optimizer are in its checkpoint)."""

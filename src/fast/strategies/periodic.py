@@ -81,15 +81,26 @@ class PeriodicAveraging(Strategy):
         self.nobody_contributed = mean is None
         if mean is not None:
             tensor.copy_(mean)
+        self.sat_out_mean = tensor if mean is not None and not moved else None
         return mean is not None
 
-    background_heal: ClassVar[bool] = False  # a joiner may sit out its first round while its state comes
+    # a joiner may sit out rounds while its state comes (`sits_out_from`); one whose state is not in at a round's
+    # mean keeps what the mean gave (`sat_out_mean`), and applies it with `replay_round` once the state is in
+    background_heal: ClassVar[bool] = False
+    sat_out_mean: torch.Tensor | None = None  # (a worker that did not move) what the last round's mean gave
+
+    def replay_round(self, mean: torch.Tensor, step: int) -> None:
+        """A round that ended at `step`, which this worker sat out before it held the run's state, applied to the
+        state it holds now as every member applied it: `mean` is what that round's mean gave (`sat_out_mean`)."""
+        raise NotImplementedError(f"strategy {self.name} does not sit rounds out")
 
     def sits_out_from(self, step: int) -> int | None:
         """A round's mean over the workers that moved brings a worker that sat the round out (its share zeros, not
         counted) level with the others, provided it holds the state the round started from: so a joiner sits out
         the round starting at `step` while that state comes behind the others' steps, and takes it before the
-        round's mean. Not with a codec (its error feedback is every worker's own) nor an exchange running behind."""
+        round's mean; if it is not in by then, the joiner keeps what the mean gave, sits the next round out too,
+        and applies the kept means once it is (`replay_round`). Not with a codec (its error feedback is every
+        worker's own) nor an exchange running behind."""
         if not self.background_heal or self.compressed is not None or self.in_background() or self.warming_up(step):
             return None
         return step + self.options.period if self.change_point(step) else None

@@ -113,6 +113,7 @@ class Sync(Strategy):
     waits_every_step = True
     reduces_in_shared_memory = True
     joins = True  # at every step (run.membership = "live")
+    agrees_before_step = True
 
     @classmethod
     def accepts_codec(cls, codec: Codec) -> bool:
