@@ -29,8 +29,9 @@ averaged gradients; the members learn at each step's round whether one still wai
 together). Once the states are in, each applies its kept gradients as every member applied them (the same skips,
 clipping, learning rates), and takes the step with data: that step is the only one that waits for it. A joiner whose
 kept gradients would pass `KEPT_BYTES` stops waiting on the others' steps and takes its state at once. A generation
-that only adds members waits for the joiners whose state is under way (a re-form would cut that state's line); one
-that loses a member does not, and they are healed whole at the re-form.
+that only adds members waits for the joiners whose state is under way (a re-form would cut that state's line), for
+a round at most (a periodic joiner then takes its state before the round's mean); one that loses a member does
+not, and they are healed whole at the re-form.
 
 The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
@@ -105,6 +106,7 @@ class Live:
     # (a strategy that `agrees_before_step`) the next step's membership round, taken after this step's exchange:
     # (that step, the answer, this member's samples when it answered)
     _answered: tuple[int, Answer, int] | None = None
+    _switch_waits = False  # a newer generation that only adds members waits for the state of joiners sitting out
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
@@ -180,7 +182,7 @@ class Live:
         n, rank = len(generation.members), generation.members.index(self.rank)
         # emulated links, the same between any two members (a simulated group's are on the simulation's wire)
         network = None if self.simulated else network_for(self.config, n, rank)
-        self.generation, self._answered = generation, None
+        self.generation, self._answered, self._switch_waits = generation, None, False
         try:
             world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
                                      comm_maker(network, self.config.run.allreduce_piece_kb))  # fmt: skip
@@ -239,8 +241,9 @@ class Live:
             if answer.any(1) or self._samples_spent():
                 self._stopping = True
             # a generation that only adds members waits for the joiners whose state is under way (a re-form would cut
-            # its line, and they would be healed whole again): they take it before the next boundary
+            # its line, and they would be healed whole again): for a round at most (`_sat_out`)
             if not answer.any(0) or (answer.total(3) and not answer.any(4)):
+                self._switch_waits = answer.any(0)
                 self._boundary_at = self.step
                 if self._takes_the_step(answer.total(3)):
                     return
@@ -254,16 +257,12 @@ class Live:
         samples each trained since its last round, whether each (a joiner sitting out) still waits for its state,
         whether member 0 sees a newer generation without one of this one's members."""
         first = self.world.index() == 0
-        newer = int(first and self._change_pending())
+        newer = int(first and self.member.newest() > self.generation.number)
         ending = int(self._budget_spent(self._run_time(self.trained_s)) or (first and self.member.stopping()))
         fresh = self.driver.samples - self._samples_reported
         waiting = int(self._waiting_for_state())
         departed = int(newer and self._superseded() is not None)
         return self.control.round(control.MEMBERSHIP, step, [newer, ending, fresh, waiting, departed], set())
-
-    def _change_pending(self) -> bool:
-        """Whether the coordinator has published a generation newer than this member's."""
-        return self.member.newest() > self.generation.number
 
     def _agree_on_the_step(self) -> None:
         """(A strategy that `agrees_before_step`) after the step's exchange, before any member applies it: the next
@@ -318,9 +317,9 @@ class Live:
         False when a peer went meanwhile (re-formed and healed)."""
         until = self._sitting_out[0]
         while self.step < until and not self.stopped:
-            # (the round's mean comes at the end of its last step; a generation published meanwhile waits for the state)
+            # (the round's mean comes at the end of its last step; a newer generation that waited a round waits no more)
             last = self.step == until - 1 and self._coming is not None
-            if last and (not self._waiting_for_state() or self._change_pending()) and not self._take_state_behind():
+            if last and (not self._waiting_for_state() or self._switch_waits) and not self._take_state_behind():
                 return False
             try:
                 self._step_without_data()
