@@ -1,5 +1,7 @@
 """`sync` over real processes equals one worker with the combined batch (flat, bucketed, hierarchical)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ def _train(
     hierarchical: int = 0,
     shared_memory: bool = True,
     piece_bytes: int | None = None,
+    regroups: int = 0,
 ) -> torch.Tensor:
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
@@ -43,6 +46,7 @@ def _train(
             strategy__hierarchical=hierarchical,
             strategy__bucket_mb=0.01,
             run__shared_memory=shared_memory,
+            run__membership="live" if regroups else "fixed",  # (live: no broadcast of the weights at setup)
         )
         ctx = StrategyContext(
             comm=comm,
@@ -54,8 +58,13 @@ def _train(
             generator=torch.Generator(),
             steps_per_epoch=STEPS,
         )
+        for _ in range(regroups if rank > 0 else 0):  # (making buckets is collective: as many times on every worker)
+            spare = copy.deepcopy(model)
+            build_strategy(config, ctx).setup(spare, torch.optim.SGD(spare.parameters(), lr=0.1))
         strategy = build_strategy(config, ctx)
         strategy.setup(model, optimizer)
+        for _ in range(regroups if rank == 0 else 0):  # a live run's member re-makes them at each change, a joiner's
+            strategy.regroup()  # are made fresh
     per = x.shape[1] // size
     for t in range(STEPS):
         xb, yb = x[t, rank * per : (rank + 1) * per], y[t, rank * per : (rank + 1) * per]
@@ -91,6 +100,22 @@ def test_sync_with_n_workers_equals_one_worker_with_n_times_the_batch(workers):
             torch.testing.assert_close(out[rank][name], reference, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
             assert torch.equal(out[rank][name], out[0][name]), f"{name}: the replicas differ"
     assert not torch.equal(expected["sgd"], expected["momentum"])
+
+
+def _regrouped(comm: Comm) -> torch.Tensor:
+    return _train(comm, comm.size, 0.9, shared_memory=False, regroups=1)
+
+
+def test_buckets_remade_at_a_change_of_membership_line_up_with_a_joiners_made_fresh():
+    """A live run's member re-makes its buckets at each change of membership; a joiner makes them fresh. Their
+    buffers must hold the same parameters at the same places, or the all-reduce sums one parameter's gradients into
+    another's (it did: each re-making reversed the order within a bucket)."""
+    from tests.distributed import run_distributed
+
+    out = run_distributed(_regrouped, 2)
+    reference = _train(None, 2, 0.9)
+    for rank in range(2):
+        torch.testing.assert_close(out[rank], reference, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -156,7 +156,7 @@ class Sync(Strategy):
             self.group = self.comm.subgroups([ranks[i : i + g] for i in range(0, len(ranks), g)])
             self.leaders = self.comm.subgroups([ranks[::g]])
         codec = self.make_codec()
-        self.buckets = self._make_buckets([p for p in model.parameters() if p.requires_grad], codec is None)
+        self.buckets = self._make_buckets(self._trainable(), codec is None)
         self.compressed: CompressedAllReduce | None = None
         self.momentum: MomentumCorrection | None = None
         if codec is not None:
@@ -174,6 +174,11 @@ class Sync(Strategy):
         self.launched: dict[int, int] = {}  # bucket index -> its place in the last step's order
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _trainable(self) -> list[nn.Parameter]:
+        """The parameters the buckets hold, in the model's order: every member's buckets, made at setup or re-made at
+        a change of membership, must hold the same parameters at the same places."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _make_buckets(self, params: list[nn.Parameter], summed: bool) -> list[Bucket]:
         cap = self.options.bucket_mb * 2**20 / 4
@@ -255,7 +260,7 @@ class Sync(Strategy):
             zero_where(bucket.grads, flag)
 
     def regroup(self) -> None:
-        self.buckets = self._make_buckets([p for b in self.buckets for p in reversed(b.params)][::-1], True)
+        self.buckets = self._make_buckets(self._trainable(), True)
         self.bad_buckets = []
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.order, self.launched = [], {}
