@@ -304,7 +304,8 @@ class Live:
             return True
         if self._sitting_out is None:  # in: the state taken (if it came after a round's mean, that mean applied)
             entered = self._coming is None or self._take_state_behind()
-            self._kept = None if entered else self._kept
+            if entered:
+                self._kept = None
             return entered
         if not self._sat_out():
             return False  # a peer went meanwhile: re-formed and healed

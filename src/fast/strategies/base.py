@@ -59,10 +59,10 @@ class Strategy:
     # join at its change points, and `regroup` re-makes what it built on the old group; `joins_why` says why not
     joins: ClassVar[bool] = False
     joins_when: ClassVar[str] = "every step"  # when a change may happen (`change_point`), for the reference
+    joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
     # True (a strategy whose members apply one averaged step): a live run's members agree, after each step's
     # exchange and before any applies it, that every member's exchange went through (fast.runtime.live)
     agrees_before_step: ClassVar[bool] = False
-    joins_why: ClassVar[str] = "it has not been made to re-form its groups while it runs"
     # True: its workers never step together, so a live run's members take no membership rounds: each joins on
     # lines of its own to the servers and heals by `catch_up` from them (fast.runtime.detached)
     joins_alone: ClassVar[bool] = False
