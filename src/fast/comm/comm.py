@@ -118,8 +118,8 @@ class Handle:
         """The operation's result, once done; CommTimeout after `deadline_s` (default the comm's deadline)."""
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if not self._done:
-            started = timing.wall() if self.ticket is not None else 0.0  # (a wait without one is not split)
-            with waiting():
+            with waiting():  # (the times split into waiting for peers lie inside the trace's wait span)
+                started = timing.wall() if self.ticket is not None else 0.0  # (a wait without one is not split)
                 try:
                     self._wait(deadline_s)
                 except CommError:
@@ -130,8 +130,8 @@ class Handle:
                 if self._on_done is not None:
                     out = self._on_done()
                     self._result = out if out is not None else self._result
-            if self.ticket is not None:
-                timeline.waited(self.ticket, started, timing.wall())
+                if self.ticket is not None:
+                    timeline.waited(self.ticket, started, timing.wall())
         return self._result
 
     def _wait(self, deadline_s: float) -> None:

@@ -99,9 +99,10 @@ class PatientGroup:
 
         future = timing.shared("waiter", _Waiter).submit(job)
         interrupted = self.comm.interrupted
-        end, started = timing.now() + deadline_s, timing.wall()
+        end = timing.now() + deadline_s
         try:
             with waiting():
+                started = timing.wall()  # (inside the trace's wait span, as the end is)
                 while True:  # (a live membership: in slices, to give up as soon as the membership changes)
                     try:
                         slice_s = deadline_s if interrupted is None else min(0.25, max(0.0, end - timing.now()))

@@ -300,10 +300,10 @@ class CompressedAllReduce:
 def _waited_for(result: Callable[[], int], ticket: Ticket | None) -> int:
     """A background exchange's result; the time it takes to come is the caller's wait on communication (its time
     shares), not work of its own: until the last member started the exchange, waiting for peers (`ticket`)."""
-    started = timing.wall()
-    with waiting():
+    with waiting():  # (the times split into waiting for peers lie inside the trace's wait span)
+        started = timing.wall()
         contributors = result()
-    timeline.waited(ticket, started, timing.wall())
+        timeline.waited(ticket, started, timing.wall())
     return contributors
 
 

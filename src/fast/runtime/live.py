@@ -106,6 +106,9 @@ class Live:
     # (a strategy that `agrees_before_step`) the next step's membership round, taken after this step's exchange:
     # (that step, the answer, this member's samples when it answered)
     _answered: tuple[int, Answer, int] | None = None
+    # (such a strategy) this step, kept when a peer died inside that round: its exchange went through on every member
+    # (each took part in the round), so a survivor may have applied it, and at the heal this one does too (`_heal`)
+    _unagreed: Callable[[], None] | None = None
     _switch_waits = False  # a newer generation that only adds members waits for the state of joiners sitting out
 
     def _start_membership(self) -> None:
@@ -271,8 +274,14 @@ class Live:
         discards the step (CommError): a kill inside an all-reduce that completed on some survivors and not on
         others no longer leaves them unlike, to be healed whole at the re-form."""
         step = self.step + 1
-        if self.strategy.change_point(step):
+        if not self.strategy.change_point(step):
+            return
+        try:
             self._answered = (step, self._membership_round(step), self.driver.samples)
+        except CommError:
+            if self.shards == 1 and self.loop_is_fast:  # (a user's loop may do at its step what no replay does)
+                self._unagreed = self._as_applied()[0]
+            raise
 
     def _takes_the_step(self, waiting_members: int) -> bool:
         """After the boundary's round: whether this member takes the step now, not a joiner sitting out (a round of
@@ -360,11 +369,18 @@ class Live:
         if self._coming is None:
             self.driver.replay([p.grad for p in self.driver.params], self.strategy.skips_step)
             return
+        replay, nbytes = self._as_applied()
+        self._kept.append(replay)
+        self._kept_bytes += nbytes
+
+    def _as_applied(self) -> tuple[Callable[[], None], int]:
+        """This step as the members that take it apply it (its averaged gradients, its skip flag, the optimizer's
+        settings such as learning rates), to apply later; and the bytes it holds."""
         grads = [None if p.grad is None else p.grad.detach().clone() for p in self.driver.params]
         skip = self.strategy.skips_step
         skip = skip.clone() if torch.is_tensor(skip) else skip
-        self._kept.append(partial(self._replay_step, grads, skip, self._optimizer_settings()))
-        self._kept_bytes += sum(g.numel() * g.element_size() for g in grads if g is not None)
+        nbytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        return partial(self._replay_step, grads, skip, self._optimizer_settings()), nbytes
 
     def _replay_step(self, grads: list[torch.Tensor | None], skip: Any, settings: list[dict[str, Any]]) -> None:
         """(A sync joiner whose state is in) a step it sat out, applied as every member applied it."""
@@ -521,6 +537,17 @@ class Live:
             self._kept = []
         return True
 
+    def _apply_unagreed(self, step: Callable[[], None]) -> None:
+        """The step kept when its round broke (`_agree_on_the_step`), applied as the members that took it did: the
+        update, then the step's count, the schedule and the data cursor moved (`Job._step_done`)."""
+        now = self._optimizer_settings()
+        step()
+        self._optimizer_settings(now)
+        self.driver.step += 1
+        if self.schedule is not None:
+            self.schedule.step()
+        self.data_cursor += self.samples_per_step
+
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
         return {"model": self._own_model().state_dict(), "optimizer": self._optimizer_state(),
@@ -540,12 +567,19 @@ class Live:
         self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], None, 0
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
+        unagreed, self._unagreed = self._unagreed, None
+        row = [self.rank, self.step, new, shared, int(unagreed is not None)]
         with world.unmetered():
-            rows = control.gathered(world, torch.tensor([self.rank, self.step, new, shared], dtype=torch.int64))
+            rows = control.gathered(world, torch.tensor(row, dtype=torch.int64))
         holders = (rows[:, 2] != 2).nonzero().flatten()
         if not len(holders):
             raise RunEnded("every member that held the run's state is gone, and its joiners were not healed yet: "
                            "the run cannot go on")  # fmt: skip
+        # a member that kept the step whose round a death broke, where a holder applied it, applies it too
+        applies = (rows[:, 4] == 1) & (rows[:, 1] + 1 == rows[holders, 1].max())
+        rows[applies, 1] += 1
+        if applies[me]:
+            self._apply_unagreed(unagreed)
         first = int(holders[0])
         # behind: fresh, or at another step or with other shared state than the first holder (a look at the rows at
         # once: a member each, a thousand times over, would cost a simulated run a million looks)
