@@ -15,7 +15,8 @@ each joiner and to each member whose step is not its own, never through a file. 
 peer died in it) is discarded on every survivor: no update is applied, the data cursor does not move, and the step
 is taken again over the new group, so no sample is lost or seen twice. Under `sync` the members take the next step's
 round after the step's all-reduce, before any applies the step: an all-reduce that a death broke on one survivor
-fails that round on all, so no survivor applies a step another discarded (which would leave it to be healed whole).
+fails that round on all, so no survivor applies a step another discarded (which would leave it to be healed whole);
+a death inside that round may end it on some survivors only, and the others apply the step they kept at the heal.
 
 A joiner of `local-sgd` or `diloco` (without a codec) stops nobody: it is sent where the run stands at once (step,
 data position, schedule), and its weights, optimizer and strategy state on a line of their own, behind the others'
