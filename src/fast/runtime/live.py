@@ -568,16 +568,16 @@ class Live:
         self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], None, 0
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
-        unagreed, self._unagreed = self._unagreed, None
-        row = [self.rank, self.step, new, shared, int(unagreed is not None)]
+        row = [self.rank, self.step, new, shared, int(self._unagreed is not None)]
         with world.unmetered():
             rows = control.gathered(world, torch.tensor(row, dtype=torch.int64))
+        unagreed, self._unagreed = self._unagreed, None
         holders = (rows[:, 2] != 2).nonzero().flatten()
         if not len(holders):
             raise RunEnded("every member that held the run's state is gone, and its joiners were not healed yet: "
                            "the run cannot go on")  # fmt: skip
         # a member that kept the step whose round a death broke, where a holder applied it, applies it too
-        applies = (rows[:, 4] == 1) & (rows[:, 1] + 1 == rows[holders, 1].max())
+        applies = (rows[:, 2] == 0) & (rows[:, 4] == 1) & (rows[:, 1] + 1 == rows[holders, 1].max())
         rows[applies, 1] += 1
         if applies[me]:
             self._apply_unagreed(unagreed)
