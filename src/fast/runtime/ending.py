@@ -252,6 +252,8 @@ class Ending:
             "skipped_steps": self.skipped_steps,
             "steps_skipped_by_the_loop": self.driver.loop_skipped,
             "time_s": self.trained_s if self.is_worker else 0.0,  # the clock at its last step
+            # the run's training time then (a live joiner's clock began at its start: fast.runtime.live)
+            "run_time_s": self._run_time(self.trained_s) if self.is_worker else 0.0,
             # on a GPU: its achieved TFLOP/s and MFU, and which GPU, of which peak (fast.runtime.throughput)
             "throughput": self._worker_throughput() if self.is_worker else {},
             "compute_s": self.machine.compute_s,
@@ -478,7 +480,7 @@ class Ending:
         counted = everyone + departed
         evals = self.records.evals
         final = evals[-1] if evals else {}
-        wall = max(p["time_s"] for p in trainers)
+        wall = max(p["run_time_s"] for p in trainers)
         computes = [p["compute_s"] for p in trainers if p.get("compute_s") is not None]
         # a step's own work (its time minus its waits on communication) on the slowest worker, who sets the wall time
         compute_s = max(computes) if computes else None

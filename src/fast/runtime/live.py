@@ -104,6 +104,7 @@ class Live:
     _kept_bytes = 0
     _sending: list[Any]  # (a source's) the sends of that state under way
     _epoch_samples = 0  # the samples of an epoch's order (the loader's), where the data cursor turns over
+    _run_time_offset = 0.0  # the run's training time before this member's clock began (a joiner's, healed)
     # (a strategy that `agrees_before_step`) the next step's membership round, taken after this step's exchange:
     # (that step, the answer, this member's samples when it answered)
     _answered: tuple[int, Answer, int] | None = None
@@ -125,7 +126,6 @@ class Live:
         self._boundary_at = -1  # the step whose membership round is done
         self._closed = False  # (the member that does worker 0's duties) closed to joiners
         self._holds_state = not self.joining  # a founder's first weights are the run's; a joiner's are nothing yet
-        self._run_time_offset = 0.0  # the run's training time before this member's clock began (a joiner's, healed)
         self.data_epoch, self.data_cursor = 0, 0
         # what the members trained on, as each reported it at the next boundary (run.max_samples, the summary's)
         self.samples_trained, self._samples_reported = 0, 0
