@@ -93,6 +93,8 @@ def test_churn_in_the_simulated_engine_is_deterministic_by_seed(tmp_path, strate
     # boundary after: at most each generation's members from the step it took over, less, for each member that
     # left, what it trained since its last boundary (its unfinished round, and the step it died in)
     events, batch = summaries[0]["membership"], SIMULATED["run__batch_size"]
+    # the run's time, whichever member writes the summary (a joiner's own clock began when it joined)
+    assert summaries[0]["wall_time_s"] >= events[-1]["unix_time"] - events[0]["unix_time"]
     steps = [e["step"] for e in events] + [summaries[0]["steps_per_worker"]]
     most = batch * sum(len(e["members"]) * (steps[i + 1] - steps[i]) for i, e in enumerate(events))
     round_ = (strategy.get("strategy__period", 1) + 1) * batch
