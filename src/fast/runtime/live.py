@@ -401,10 +401,14 @@ class Live:
         self.driver.null_step()
         if keep:
             self._keep_step()
-        if self.schedule is not None:
-            self.schedule.step()
         if self._epoch_samples:
             self._epoch_over(self._epoch_samples)
+        self._moved_past_a_step()
+
+    def _moved_past_a_step(self) -> None:
+        """The schedule and the data cursor moved past a step, as on the members that took its batches."""
+        if self.schedule is not None:
+            self.schedule.step()
         self.data_cursor += self.samples_per_step
 
     def _epoch_over(self, epoch_samples: int) -> bool:
@@ -545,9 +549,7 @@ class Live:
         step()
         self._optimizer_settings(now)
         self.driver.step += 1
-        if self.schedule is not None:
-            self.schedule.step()
-        self.data_cursor += self.samples_per_step
+        self._moved_past_a_step()
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
