@@ -73,6 +73,17 @@ def recovery_seconds(events: list[dict]) -> list[float]:
             if "evicted_unix_time" in left]  # fmt: skip
 
 
+def reforming(run: Path) -> dict[str, float]:
+    """The members' seconds of re-forming, summed over a run's members (their `re-formed` records), by phase: waiting
+    for a generation, for its members to arrive, forming its group, healing; and the longest one re-form took."""
+    records = [json.loads(line) for path in sorted((run / "workers").glob("metrics-*.jsonl"))
+               for line in path.read_text().splitlines() if '"re-formed"' in line]  # fmt: skip
+    spent = {
+        phase: round(sum(r[f"{phase}_s"] for r in records), 1) for phase in ("generation", "arrive", "form", "heal")
+    }
+    return {**spent, "longest": max((r["reform_s"] for r in records), default=0.0)}
+
+
 def median_and_max(seconds: list[float]) -> str:
     """`seconds`' median and max, and how many: "median/max (n)" (a dash when there are none)."""
     return f"{statistics.median(seconds):.1f}/{max(seconds):.1f} ({len(seconds)})" if seconds else "-"
@@ -110,6 +121,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "leaves": sum(len(e["left"]) for e in events[1:]),
         "recovery_s": [round(s, 2) for s in recovery_seconds(events)],
         "workers_at_end": summary.get("workers_at_end"),
+        "reforming_member_s": reforming(out),
     }
 
 

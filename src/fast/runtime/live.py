@@ -44,7 +44,7 @@ import contextlib
 import hashlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -112,6 +112,8 @@ class Live:
     # (each took part in the round), so a survivor may have applied it, and at the heal this one does too (`_heal`)
     _unagreed: Callable[[], None] | None = None
     _switch_waits = False  # a newer generation that only adds members waits for the state of joiners sitting out
+    # (a re-form under way) when it began, the generations it tried, and the seconds of each phase (`_phase`)
+    _reforming: dict[str, Any]
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
@@ -132,6 +134,7 @@ class Live:
         self.member.report(self._reported_figures)
         if self.joining:
             self.member.ready()
+        self._reforming = {"started": timing.now(), "generations": []}
         self._connect_newest(dropped_if_absent=False)
         if not self.simulated:
             signal.signal(signal.SIGTERM, self._leave_on_sigterm)
@@ -146,24 +149,29 @@ class Live:
         """Form the group of the newest generation this member is in (retrying while generations change)."""
         after = -1 if self.generation is None else self.generation.number
         while True:
-            newest = self.member.newest()
-            if newest > after:
-                generation = self.member.generation(newest)
-            else:
-                generation = self.member.wait_for(after)
-            self._close_if_ending(generation)
-            if generation.failed:
-                raise RunEnded(generation.failed)
-            if self.rank not in generation.members:
-                if dropped_if_absent:
-                    raise FastError(f"worker {self.rank} was dropped from the run's membership (its peers found it "
-                                    "gone): join it again with fast join")  # fmt: skip
-                generation = self.member.wait_for(newest, including=self.rank)
+            with self._phase("generation"):
+                newest = self.member.newest()
+                if newest > after:
+                    generation = self.member.generation(newest)
+                else:
+                    generation = self.member.wait_for(after)
+                self._close_if_ending(generation)
+                if generation.failed:
+                    raise RunEnded(generation.failed)
+                if self.rank not in generation.members:
+                    if dropped_if_absent:
+                        raise FastError(f"worker {self.rank} was dropped from the run's membership (its peers found "
+                                        "it gone): join it again with fast join")  # fmt: skip
+                    generation = self.member.wait_for(newest, including=self.rank)
             after = generation.number
-            if not self.member.arrive(generation):
+            self._reforming["generations"].append(after)
+            with self._phase("arrive"):
+                arrived = self.member.arrive(generation)
+            if not arrived:
                 continue
             try:
-                self._form(generation)
+                with self._phase("form"):
+                    self._form(generation)
                 return
             except CommError:
                 self.member.suspect(generation.number)
@@ -455,6 +463,7 @@ class Live:
         self._regroup(failed=True)
 
     def _regroup(self, failed: bool, fresh: bool = False, heal: bool = True) -> None:
+        self._reforming = {"started": timing.now(), "generations": []}
         if failed:
             self.member.suspect(self.generation.number)
         engine.abort()  # a peer still waiting in a collective of the old group fails now
@@ -462,12 +471,37 @@ class Live:
         while True:
             self._connect_newest()
             if not heal:
-                return
+                break
             try:
-                self._heal(fresh=fresh)
-                return
+                with self._phase("heal"):
+                    self._heal(fresh=fresh)
+                break
             except CommError:
                 self.member.suspect(self.generation.number)
+        self._reformed_record(failed)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time a phase of re-forming (`_reformed_record`): waiting for a generation, for its members to arrive,
+        forming its group, healing."""
+        started = timing.now()
+        try:
+            yield
+        finally:
+            self._reforming[name] = self._reforming.get(name, 0.0) + timing.now() - started
+
+    def _reformed_record(self, failed: bool) -> None:
+        """This member's record of a re-form: its seconds, and where they went (the generations it tried, in order:
+        those before the last were superseded or did not form)."""
+        phases, clock = self._reforming, getattr(self, "clock", None)
+        if clock is None:  # (the founders' set-up: nothing trained yet)
+            return
+        record = {"worker": self.rank, "kind": "re-formed", "step": self.step, "time_s": round(clock.now(), 4),
+                  "generation": self.generation.number, "failed": failed, "generations": phases["generations"],
+                  "reform_s": round(timing.now() - phases["started"], 4)}  # fmt: skip
+        for name in ("generation", "arrive", "form", "heal"):
+            record[f"{name}_s"] = round(phases.get(name, 0.0), 4)
+        self.records.add(record)
 
     # -- healing ---------------------------------------------------------------------------------------------------
     def _own_model(self) -> torch.nn.Module:
