@@ -168,6 +168,14 @@ def test_a_killed_worker_is_left_behind_and_a_joiner_heals_from_a_live_peer(tmp_
     else:
         assert healed["step"] == events[2]["step"] + (strategy["strategy.period"] - 1 if behind else 0)
     assert _steps(run, 4) > 0 and not (run / "checkpoints").exists()
+    # each survivor recorded the re-form the kill began: its seconds, and where they went
+    for member in (0, 1, 3):
+        records = (run / "workers" / f"metrics-{member}.jsonl").read_text().splitlines()
+        reforms = [r for r in map(json.loads, records) if r.get("kind") == "re-formed"]
+        (reform,) = [r for r in reforms if r["generation"] == events[1]["generation"]]
+        phases = sum(reform[f"{phase}_s"] for phase in ("generation", "arrive", "form", "heal"))
+        assert reform["generations"][-1] == reform["generation"], reform
+        assert 0 < phases <= reform["reform_s"] + 1e-3, reform
     if strategy.get("strategy.topology") == "torus:2x2":
         assert summary["topology_fallback"].startswith("ring over 3 workers")
     # the secret and the address are gone with the run

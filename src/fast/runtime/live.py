@@ -645,15 +645,21 @@ class Live:
             progress, holdings = self._progress(), self._holdings()
             whole = packed({**progress, **holdings}) if set(mine) - set(behind_steps) else None
             parts = (packed(progress), packed(holdings)) if set(mine) & set(behind_steps) else None
+            # in the order the others wait for them: where the run stands, to each joiner that takes its weights
+            # behind the next steps; the whole states; then those weights, in the background (on this member's one
+            # link, whatever is sent after a state waits for all of it)
+            later = [member for member in mine if member in behind_steps]
             with metered:
+                for member in later:
+                    world.send_bytes(parts[0], world.ranks[member])
+                    sent += parts[0].numel()
                 for member in mine:
-                    if member in behind_steps:  # where the run stands now; its weights behind the next steps
-                        world.send_bytes(parts[0], world.ranks[member])
-                        self._sending.append(channel.isend_bytes(parts[1], world.ranks[member]))
-                        sent += parts[0].numel() + parts[1].numel()
-                    else:
+                    if member not in later:
                         world.send_bytes(whole, world.ranks[member])
                         sent += whole.numel()
+                for member in later:
+                    self._sending.append(channel.isend_bytes(parts[1], world.ranks[member]))
+                    sent += parts[1].numel()
         elif me in source_of:
             source, source_id = world.ranks[source_of[me]], int(rows[source_of[me]][0])
             with metered:
