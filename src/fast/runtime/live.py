@@ -494,7 +494,7 @@ class Live:
         """This member's record of a re-form: its seconds, and where they went (the generations it tried, in order:
         those before the last were superseded or did not form)."""
         phases, clock = self._reforming, getattr(self, "clock", None)
-        if clock is None:  # (the founders' set-up: nothing trained yet)
+        if clock is None or self.simulated:  # (the founders' set-up; a simulated member's would cost its host a write)
             return
         record = {"worker": self.rank, "kind": "re-formed", "step": self.step, "time_s": round(clock.now(), 4),
                   "generation": self.generation.number, "failed": failed, "generations": phases["generations"],
