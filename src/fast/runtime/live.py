@@ -405,13 +405,19 @@ class Live:
 
     def _step_without_data(self, keep: bool = False) -> None:
         """One step sat out: the strategy's exchanges with zeros of this member's, the schedule and the data cursor
-        moved as on the members that train (they take the batches); `keep`: the step's averages kept."""
-        self.driver.null_step()
-        if keep:
-            self._keep_step()
-        if self._epoch_samples:
-            self._epoch_over(self._epoch_samples)
-        self._moved_past_a_step()
+        moved as on the members that train (they take the batches); `keep`: the step's averages kept. A round whose
+        exchange failed leaves the step standing, as it does on those members (CommError: the caller re-forms), so
+        that the heal finds this one at their step."""
+        step = self.driver.step
+        try:
+            self.driver.null_step()
+            if keep:
+                self._keep_step()
+        finally:
+            if self.driver.step > step:
+                if self._epoch_samples:
+                    self._epoch_over(self._epoch_samples)
+                self._moved_past_a_step()
 
     def _moved_past_a_step(self) -> None:
         """The schedule and the data cursor moved past a step, as on the members that took its batches."""

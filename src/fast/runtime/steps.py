@@ -376,9 +376,17 @@ class StepDriver:
             if self.failed:  # (a live run's) its exchange failed: discarded, as a step with data is
                 self.began = self.backward_done = self.bad = self.failed = False
                 raise CommError("a step without data: its exchange failed (a peer is gone)")
-            self.strategy.after_optimizer_step(self.step)
+            round_failed = False
+            try:
+                self.strategy.after_optimizer_step(self.step)
+            except CommError:  # a round's exchange: the step stands, as a step with data's does (`_optimizer_ends`)
+                if self.on_failure is None:
+                    raise
+                round_failed = True
             self.step += 1
             self.began = self.backward_done = self.bad = False
+            if round_failed:
+                raise CommError("a step without data: its round's exchange failed (a peer is gone)")
         finally:
             self.strategy.contributing = True
 
