@@ -234,7 +234,9 @@ def test_a_periodic_joiner_sits_its_first_round_out_while_its_state_comes_behind
 ):
     """Healing stops nobody: the joiner is sent where the run stands at once, and its weights and optimizer behind
     the others' steps; it sits the round out (its share of the round's mean zeros) and takes them before the mean,
-    which brings it level with the others."""
+    which brings it level with the others. (On a loaded machine the state may come after the round's last step, a
+    few milliseconds here: the joiner then keeps what the mean gave and applies it once the state is in, at the next
+    round's first step.)"""
     run = tmp_path / "run"
     summary = _kill_one_then_join(run, strategy, 20, None, 3, workers=3, killed=1)
     events = summary["membership"]
@@ -243,13 +245,16 @@ def test_a_periodic_joiner_sits_its_first_round_out_while_its_state_comes_behind
     assert joined["healed"] == [3] and joined["healed_behind"] == [3] and joined["catch_up_bytes"] > 0
     (healed,) = _healed(run, 3)
     assert healed["behind"] and healed["fingerprint"] == healed["source_fingerprint"] and healed["from"] in (0, 2)
-    assert joined["step"] % 8 == 0 and healed["step"] == joined["step"] + 7  # the round's last step, before its mean
+    before_mean = healed["step"] == joined["step"] + 7  # the round's last step
+    assert joined["step"] % 8 == 0, joined
+    assert before_mean or (healed["step"] == joined["step"] + 8 and healed["replayed"] == 1), (joined, healed)
     # the others trained the round's steps meanwhile, and the joiner none of them
     records = [json.loads(line) for line in (run / "workers" / "metrics-0.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records if "loss" in r} >= set(range(joined["step"], healed["step"] + 1))
     losses = [json.loads(line) for line in (run / "workers" / "metrics-3.jsonl").read_text().splitlines()]
     mine = [r for r in losses if "loss" in r]
-    assert min(r["step"] for r in mine) == healed["step"] + 2  # its first after the round (records count steps done)
+    # its first after the round (records count steps done)
+    assert min(r["step"] for r in mine) == healed["step"] + (2 if before_mean else 1)
     # it came out of the round with the others' weights: its first loss is theirs, not a fresh model's
     first = [r["loss"] for r in records if "loss" in r][0]
     assert mine[0]["loss"] < 0.5 * first, (mine[0]["loss"], first)
