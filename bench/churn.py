@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import fast
+from fast.runtime.live import REFORM_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "lm" / "lm.toml"
@@ -78,9 +79,7 @@ def reforming(run: Path) -> dict[str, float]:
     for a generation, for its members to arrive, forming its group, healing; and the longest one re-form took."""
     records = [json.loads(line) for path in sorted((run / "workers").glob("metrics-*.jsonl"))
                for line in path.read_text().splitlines() if '"re-formed"' in line]  # fmt: skip
-    spent = {
-        phase: round(sum(r[f"{phase}_s"] for r in records), 1) for phase in ("generation", "arrive", "form", "heal")
-    }
+    spent = {phase: round(sum(r[f"{phase}_s"] for r in records), 1) for phase in REFORM_PHASES}
     return {**spent, "longest": max((r["reform_s"] for r in records), default=0.0)}
 
 

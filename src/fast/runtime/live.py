@@ -45,6 +45,7 @@ import hashlib
 import os
 import signal
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -61,6 +62,19 @@ from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded
 from fast.runtime.simulated_membership import simulated_member
 from fast.shards.local import load_local_optimizer_state, local_optimizer_state, local_tensor
 from fast.strategies.base import UNTIL_STATE_COMES
+
+REFORM_PHASES = ("generation", "arrive", "form", "heal")  # where a re-form's seconds go (its `re-formed` record)
+
+
+@dataclass
+class Reforming:
+    """A member's re-form under way: when it began, the generations it tried (those before the last were superseded
+    or did not form), and the seconds of each phase: waiting for a generation, for its members to arrive, forming its
+    group, healing."""
+
+    started: float = field(default_factory=timing.now)
+    generations: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(REFORM_PHASES, 0.0))
 
 
 def fingerprint(state: dict[str, Any]) -> str:
@@ -112,8 +126,7 @@ class Live:
     # (each took part in the round), so a survivor may have applied it, and at the heal this one does too (`_heal`)
     _unagreed: Callable[[], None] | None = None
     _switch_waits = False  # a newer generation that only adds members waits for the state of joiners sitting out
-    # (a re-form under way) when it began, the generations it tried, and the seconds of each phase (`_phase`)
-    _reforming: dict[str, Any]
+    _reforming: Reforming  # (a re-form under way) its time so far, for its record
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
@@ -134,7 +147,7 @@ class Live:
         self.member.report(self._reported_figures)
         if self.joining:
             self.member.ready()
-        self._reforming = {"started": timing.now(), "generations": []}
+        self._reforming = Reforming()
         self._connect_newest(dropped_if_absent=False)
         if not self.simulated:
             signal.signal(signal.SIGTERM, self._leave_on_sigterm)
@@ -164,7 +177,7 @@ class Live:
                                         "it gone): join it again with fast join")  # fmt: skip
                     generation = self.member.wait_for(newest, including=self.rank)
             after = generation.number
-            self._reforming["generations"].append(after)
+            self._reforming.generations.append(after)
             with self._phase("arrive"):
                 arrived = self.member.arrive(generation)
             if not arrived:
@@ -469,7 +482,7 @@ class Live:
         self._regroup(failed=True)
 
     def _regroup(self, failed: bool, fresh: bool = False, heal: bool = True) -> None:
-        self._reforming = {"started": timing.now(), "generations": []}
+        self._reforming = Reforming()
         if failed:
             self.member.suspect(self.generation.number)
         engine.abort()  # a peer still waiting in a collective of the old group fails now
@@ -494,20 +507,18 @@ class Live:
         try:
             yield
         finally:
-            self._reforming[name] = self._reforming.get(name, 0.0) + timing.now() - started
+            self._reforming.seconds[name] += timing.now() - started
 
     def _reformed_record(self, failed: bool) -> None:
         """This member's record of a re-form: its seconds, and where they went (the generations it tried, in order:
         those before the last were superseded or did not form)."""
-        phases, clock = self._reforming, getattr(self, "clock", None)
+        reforming, clock = self._reforming, getattr(self, "clock", None)
         if clock is None or self.simulated:  # (the founders' set-up; a simulated member's would cost its host a write)
             return
         record = {"worker": self.rank, "kind": "re-formed", "step": self.step, "time_s": round(clock.now(), 4),
-                  "generation": self.generation.number, "failed": failed, "generations": phases["generations"],
-                  "reform_s": round(timing.now() - phases["started"], 4)}  # fmt: skip
-        for name in ("generation", "arrive", "form", "heal"):
-            record[f"{name}_s"] = round(phases.get(name, 0.0), 4)
-        self.records.add(record)
+                  "generation": self.generation.number, "failed": failed, "generations": reforming.generations,
+                  "reform_s": round(timing.now() - reforming.started, 4)}  # fmt: skip
+        self.records.add(record | {f"{name}_s": round(s, 4) for name, s in reforming.seconds.items()})
 
     # -- healing ---------------------------------------------------------------------------------------------------
     def _own_model(self) -> torch.nn.Module:

@@ -348,14 +348,8 @@ class StepDriver:
             self.began = self.backward_done = self.bad = self.failed = False
             self.on_failure()
             return
-        round_failed = False
         with timeline.span("strategy.after_optimizer_step", "communicate"):
-            try:
-                self.strategy.after_optimizer_step(self.step)
-            except CommError:  # a round's exchange: the local step stands, the round is given up
-                if self.on_failure is None:
-                    raise
-                round_failed = True
+            round_failed = not self._round_went_through()
         self.machine.after_step()  # times the step's own work, its communication waits left out
         bad = self.bad
         self.step += 1
@@ -363,6 +357,17 @@ class StepDriver:
         self.on_step_done(bad)
         if round_failed:
             self.on_failure()
+
+    def _round_went_through(self) -> bool:
+        """The strategy's work after the optimizer's step; False where a round's exchange in it failed in a live run
+        (a peer is gone): the local step stands, the round is given up."""
+        try:
+            self.strategy.after_optimizer_step(self.step)
+        except CommError:
+            if self.on_failure is None:
+                raise
+            return False
+        return True
 
     def null_step(self) -> None:
         """A step without data (a worker that has finished while the others go on): the strategy's exchanges with
@@ -376,13 +381,7 @@ class StepDriver:
             if self.failed:  # (a live run's) its exchange failed: discarded, as a step with data is
                 self.began = self.backward_done = self.bad = self.failed = False
                 raise CommError("a step without data: its exchange failed (a peer is gone)")
-            round_failed = False
-            try:
-                self.strategy.after_optimizer_step(self.step)
-            except CommError:  # a round's exchange: the step stands, as a step with data's does (`_optimizer_ends`)
-                if self.on_failure is None:
-                    raise
-                round_failed = True
+            round_failed = not self._round_went_through()  # (the step stands, as a step with data's does)
             self.step += 1
             self.began = self.backward_done = self.bad = False
             if round_failed:
