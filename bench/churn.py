@@ -116,6 +116,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "bytes_sent": summary["bytes_sent"],
         "catch_up_bytes": summary.get("catch_up_bytes", 0),
         "catch_up_s": round(sum(e["catch_up_s"] for e in events[1:]), 3),
+        "lines_resumed": sum(len(e.get("resumed", [])) for e in events[1:]),  # (a joiner's state a departure cut)
         "changes": max(0, len(events) - 1),
         "leaves": sum(len(e["left"]) for e in events[1:]),
         "recovery_s": [round(s, 2) for s in recovery_seconds(events)],

@@ -23,7 +23,10 @@ from fast.errors import ConfigError
 from fast.jobs.code import load_data, make_model
 from fast.optim import build_optimizer
 from fast.parts import resolve
+from fast.runtime.live import STUCK_EXIT_CODE
 from fast.runtime.loader import epoch_order
+from fast.runtime.membership import Access, connect, read_key
+from fast.runtime.run_store import RunStoreServer
 from fast.tools.cli import main
 from tests.processes import listening
 
@@ -564,6 +567,104 @@ def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_ave
     first = [r["loss"] for r in steps_of[0] if "loss" in r][0]
     assert mine[0]["loss"] < 0.5 * first, (mine[0]["loss"], first)
     assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
+
+
+STUCK_MEMBER = """
+import sys, threading, types
+from pathlib import Path
+from fast.runtime import live
+from fast.runtime.membership import Access
+
+live.REFORM_PATIENCE = 1  # (x run.deadline_s)
+folder = Path(sys.argv[1])
+member = object.__new__(live.Live)  # (its part of a worker, and what it reads of the rest)
+member.simulated, member.rank = False, 7
+member.config = types.SimpleNamespace(run=types.SimpleNamespace(deadline_s=0.5))
+member.records = types.SimpleNamespace(file=folder / "metrics-7.jsonl")
+member.member = types.SimpleNamespace(access=Access.from_environment())
+with member._watched():
+    threading.Event().wait()  # a wait without a deadline
+"""
+
+
+def test_a_re_form_that_never_ends_leaves_the_run_in_one_line_with_its_threads_stacks(tmp_path):
+    """The backstop behind every re-form's deadlines: a member whose re-form is still under way after 10 of them
+    (here 0.5 s each, and a wait that never ends) writes its threads' stacks beside its records, says so in one
+    line, tells the membership it left, and exits: the run does not hang on it."""
+    secret = os.urandom(32)
+    server = RunStoreServer("127.0.0.1", 0, secret)
+    access = Access("127.0.0.1", server.port, secret)
+    (tmp_path / "secret").write_text(secret.hex())
+    env = {**os.environ, **access.environment(tmp_path / "secret")}
+    try:
+        done = subprocess.run([sys.executable, "-c", STUCK_MEMBER, str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+        store = connect(access, 5)
+        left = read_key(store, "leave/7")
+        store.close()
+    finally:
+        server.close()
+    assert done.returncode == STUCK_EXIT_CODE, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert "worker 7 has been re-forming for 0.5s" in line and "stuck" in line, line
+    assert "threading.py" in (tmp_path / "stuck-7.txt").read_text()  # the main thread's wait, among the stacks
+    assert left == b"stuck re-forming for 0.5s"
+
+
+def _records(run: Path, member: int, kind: str) -> list[dict]:
+    path = run / "workers" / f"metrics-{member}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for line in lines if (r := json.loads(line)).get("kind") == kind]
+
+
+def test_a_joiners_line_a_departure_cuts_goes_on_where_it_was_cut(tmp_path, no_orphans):
+    """A diloco joiner's state on its way behind the steps (a slow link) when a member that is not its source dies:
+    the re-form cuts the line, but the joiner keeps the pieces that came and the means it kept, its source what it
+    sent, and only the rest comes, on the new group's line, while the joiner sits out the round under way. It comes
+    out level with the others: the heal of a later departure finds no member whose state differs."""
+    run = tmp_path / "run"
+    slow = {"network.bandwidth": "1Mbit", "network.latency": "2ms"}  # the state (about 0.8 MB) takes 6 s or more
+    job = {"strategy.name": "diloco", "strategy.period": 4, "strategy.outer_lr": 0.3}
+    proc = _start(run, {"run.workers": 4, "run.max_time": "300s", **job, **slow})
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    joiner = None
+    try:
+        _wait_for_step(run, 12, proc)
+        joiner = subprocess.Popen([FAST, "join", str(run), "--standby"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        assert "standby joiner ready" in joiner.stdout.readline()
+        _worker(proc.pid, 1).send_signal(signal.SIGKILL)
+        time.sleep(2)
+        joiner.stdin.write("join\n")
+        joiner.stdin.flush()
+        end = time.monotonic() + 120
+        while not any(r["generation"] >= 2 for r in _records(run, 0, "re-formed")):  # (1: worker 1 gone; 2: in)
+            assert time.monotonic() < end and proc.poll() is None, "the joiner did not enter"
+            time.sleep(0.05)
+        time.sleep(3)  # (a piece of 256 KiB takes 2 s on the link: some are in, not all)
+        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
+        while _steps(run, 4) < 5:
+            assert time.monotonic() < end and joiner.poll() is None, "the joiner did not train"
+            time.sleep(0.05)
+        _worker(proc.pid, 3).send_signal(signal.SIGKILL)
+        _stop_once_joined(run, joiner, run, 4)
+        proc.communicate(timeout=120)
+    finally:
+        for p in (proc, joiner):
+            if p is not None and p.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.wait()
+    assert proc.returncode == 0 and joiner.returncode == 0
+    events = json.loads((run / "summary.json").read_text())["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2, 3], [0, 2, 3], [0, 2, 3, 4], [0, 3, 4], [0, 4]], events
+    assert events[2]["healed_behind"] == [4] and events[3]["resumed"] == [4] and events[3]["healed_from"] == [0]
+    (healed,) = _healed(run, 4)
+    assert healed["behind"] and healed["fingerprint"] == healed["source_fingerprint"], healed
+    (came,) = healed["resumed_at"]
+    assert came > 0 and came % (1 << 18) == 0, healed  # whole pieces, and some
+    # the rest only: the second line sent what the first had not (and where the run stands, a few hundred bytes)
+    assert events[3]["catch_up_bytes"] < events[2]["catch_up_bytes"] - came + 1024, events
+    assert events[4]["healed"] == [], events  # level with member 0: θ, outer momentum and counters
 
 
 def test_a_periodic_joiner_whose_state_is_slower_than_a_round_sits_rounds_out_and_a_join_waits_for_it(

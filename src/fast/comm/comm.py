@@ -43,6 +43,7 @@ class MessageLost(CommError):
 
 
 RECV_BYTES = 1 << 30  # what recv_bytes takes when its caller knows no closer bound on what it receives
+PIECE_BYTES = 1 << 18  # the pieces of a payload sent behind the caller's work: a broken line keeps those that came
 
 
 def check_length(peer: int, n: int, limit: int) -> None:
@@ -185,24 +186,43 @@ class _Pieces:
 
 
 class IncomingBytes:
-    """A payload `send_bytes` sends, received behind the receiver's work by `recv_bytes` on a thread of its own (a
-    backend's receive is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for
-    it and raises what the receive raised (CommError: a peer gone, a length past `limit`)."""
+    """A payload `isend_bytes` sends, received behind the receiver's work on a thread of its own (a backend's receive
+    is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for it and raises what
+    the receive raised (CommError: a peer gone, a length past `limit`). It comes in pieces, and a receive that a
+    broken group cuts keeps those that came (`received`): a receive `resuming` it takes only the rest."""
 
-    def __init__(self, comm: Any, src: int, limit: int) -> None:
-        self.payload: torch.Tensor | None = None
+    def __init__(self, comm: Any, src: int, limit: int, resuming: IncomingBytes | None = None) -> None:
+        self.payload = None if resuming is None else resuming.payload
+        self.received = 0 if resuming is None else resuming.received
         self.error: BaseException | None = None
         self.thread = timing.Thread(self._receive, "fast-incoming", args=(comm, src, limit))
         self.thread.start()
 
     def _receive(self, comm: Any, src: int, limit: int) -> None:
         try:
-            self.payload = comm.recv_bytes(src, limit=limit)[1]
+            header = torch.zeros(2, dtype=torch.int64)
+            comm.recv(header, src)
+            total, start = (int(v) for v in header.tolist())  # (a thread's, behind the steps)
+            check_length(src, total, limit)
+            if start and (self.payload is None or self.payload.numel() != total or start != self.received):
+                raise CommError(f"worker {src} resumed a payload of {total} bytes at byte {start}, not where it was "
+                                f"cut (byte {self.received})")  # fmt: skip
+            if not start:
+                self.payload, self.received = torch.empty(total, dtype=torch.uint8), 0
+            while self.received < total:
+                comm.recv(self.payload[self.received : self.received + PIECE_BYTES], src)
+                self.received = min(total, self.received + PIECE_BYTES)
         except BaseException as e:  # (handed to `take`, on the caller's thread)
             self.error = e
 
     def arrived(self) -> bool:
         return not self.thread.is_alive()
+
+    def cut(self, wait_s: float) -> bool:
+        """Whether this receive has ended within `wait_s` (its group broken, or all of it in), so that another may
+        resume it."""
+        self.thread.join(wait_s)
+        return not self.thread.is_alive() and self.payload is not None
 
     def take(self) -> torch.Tensor:
         self.thread.join()
@@ -424,21 +444,25 @@ class Comm:
         if payload.numel():
             self.send(payload.contiguous(), dst, tag)
 
-    def isend_bytes(self, payload: torch.Tensor, dst: int) -> Any:
-        """`send_bytes` behind the caller's work, on a thread of its own (for `irecv_bytes`); returns the thread. A
-        peer gone meanwhile ends it quietly: the receiver's side is where the loss counts."""
+    def isend_bytes(self, payload: torch.Tensor, dst: int, start: int = 0) -> Any:
+        """Send `payload` from byte `start` (0, or where a cut receive ended) to `irecv_bytes`, behind the caller's
+        work, on a thread of its own (returned): its length and start, then its bytes in pieces. A peer gone
+        meanwhile, or the group left (ValueError), ends it quietly: the receiver's side is where the loss counts."""
 
         def send() -> None:
-            with contextlib.suppress(CommError):
-                self.send_bytes(payload, dst)
+            with contextlib.suppress(CommError, ValueError):
+                self.send(torch.tensor([payload.numel(), start], dtype=torch.int64), dst)
+                for piece in range(start, payload.numel(), PIECE_BYTES):
+                    self.send(payload[piece : piece + PIECE_BYTES], dst)
 
         thread = timing.Thread(send, "fast-outgoing")
         thread.start()
         return thread
 
-    def irecv_bytes(self, src: int, limit: int) -> IncomingBytes:
-        """Receive what `isend_bytes` sends, behind the caller's work (at most `limit` bytes)."""
-        return IncomingBytes(self, src, limit)
+    def irecv_bytes(self, src: int, limit: int, resuming: IncomingBytes | None = None) -> IncomingBytes:
+        """Receive what `isend_bytes` sends, behind the caller's work (at most `limit` bytes); `resuming`: the
+        receive of the same payload that a broken group cut, whose pieces this one does not take again."""
+        return IncomingBytes(self, src, limit, resuming)
 
     def recv_bytes(self, src: int | None = None, tag: int = 0, limit: int = RECV_BYTES) -> tuple[int, torch.Tensor]:
         """Receive a payload sent by `send_bytes`, from `src` or from whichever peer comes first; CommError for

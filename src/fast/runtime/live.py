@@ -32,7 +32,10 @@ clipping, learning rates), and takes the step with data: that step is the only o
 kept gradients would pass `KEPT_BYTES` stops waiting on the others' steps and takes its state at once. A generation
 that only adds members waits for the joiners whose state is under way (a re-form would cut that state's line), for
 a round at most (a periodic joiner then takes its state before the round's mean); one that loses a member does
-not, and they are healed whole at the re-form.
+not. A re-form cuts such a line, but what came of the state stays with the joiner, and the source keeps what it
+sent: when both are in the new group and the joiner kept exactly what every member applied since (as many steps or
+round means), the rest comes on the new group's line, and the joiner goes on sitting out (for the periodic family,
+the rest of the round under way, whatever its step); otherwise it is healed again from the start.
 
 The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
 member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
@@ -41,9 +44,12 @@ member of rank r of n takes the r-th of the next n batches, so a change of membe
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import os
 import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,12 +64,23 @@ from fast.emulation.deployment import comm_maker, network_for
 from fast.errors import CommError, FastError
 from fast.runtime import control
 from fast.runtime.control import Answer, Control
-from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded
+from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded, report_left
 from fast.runtime.simulated_membership import simulated_member
 from fast.shards.local import load_local_optimizer_state, local_optimizer_state, local_tensor
 from fast.strategies.base import UNTIL_STATE_COMES
 
 REFORM_PHASES = ("generation", "arrive", "form", "heal")  # where a re-form's seconds go (its `re-formed` record)
+
+
+@dataclass
+class Snapshot:
+    """(A source) the state it sends a joiner behind the steps, kept until the joiner has it (a re-form that cuts the
+    line resumes it): the packed holdings, the generation whose heal began it, and what a joiner sitting out had kept
+    by then (`Strategy.kept_by_now`)."""
+
+    payload: torch.Tensor
+    generation: int
+    kept_by_then: int
 
 
 @dataclass
@@ -101,6 +118,10 @@ def fingerprint(state: dict[str, Any]) -> str:
     return digest.hexdigest()[:16]
 
 
+# a re-form still under way after this many run.deadline_s is stuck: each of its waits has a deadline, and a new
+# generation (churn faster than re-forms) restarts only the waits; the member says so and leaves (`_watched`)
+REFORM_PATIENCE = 10
+STUCK_EXIT_CODE = 3
 PROGRESS_BYTES = 1 << 20  # the most a state without its tensors (step, data position, schedule) may be
 KEPT_BYTES = 1 << 30  # the most a joiner keeps of the averages of the steps or rounds it sits out
 
@@ -111,7 +132,12 @@ class Live:
     # the steps sat out by the joiners whose state comes behind the others' steps: (the step they end before, or
     # UNTIL_STATE_COMES for sync's, how many)
     _sitting_out: tuple[int, int] | None = None
-    _coming: tuple[IncomingBytes, int] | None = None  # (a joiner's) that state under way, and its source's id
+    # (a joiner's) that state under way, its source's id, and the generation whose heal began it
+    _coming: tuple[IncomingBytes, int, int] | None = None
+    # (a joiner's) that line as a re-form cut it, and what it had kept: the next heal may resume it
+    _cut: tuple[tuple[IncomingBytes, int, int], list[Callable[[], None]], int] | None = None
+    _resumed_at: list[int]  # (a joiner's) the bytes of its state already in each time a cut line was resumed
+    _snapshots: dict[int, Snapshot]  # (a source's) the states it sends behind the steps, by joiner
     # (a joiner sitting out) what every member applied at the steps (sync) or rounds (the periodic family) it sat out
     # before its state was in, each to be applied as they did once it is; None on a member that takes the steps
     _kept: list[Callable[[], None]] | None = None
@@ -148,6 +174,7 @@ class Live:
         if self.joining:
             self.member.ready()
         self._reforming = Reforming()
+        self._resumed_at, self._snapshots = [], {}
         self._connect_newest(dropped_if_absent=False)
         if not self.simulated:
             signal.signal(signal.SIGTERM, self._leave_on_sigterm)
@@ -266,7 +293,7 @@ class Live:
             if answer.any(1) or self._samples_spent():
                 self._stopping = True
             # a generation that only adds members waits for the joiners whose state is under way (a re-form would cut
-            # its line, and they would be healed whole again): for a round at most (`_sat_out`)
+            # its line): for a round at most (`_sat_out`)
             if not answer.any(0) or (answer.total(3) and not answer.any(4)):
                 self._switch_waits = answer.any(0)
                 self._boundary_at = self.step
@@ -487,17 +514,45 @@ class Live:
             self.member.suspect(self.generation.number)
         engine.abort()  # a peer still waiting in a collective of the old group fails now
         self.strategy.abandon()
-        while True:
-            self._connect_newest()
-            if not heal:
-                break
-            try:
-                with self._phase("heal"):
-                    self._heal(fresh=fresh)
-                break
-            except CommError:
-                self.member.suspect(self.generation.number)
+        with self._watched():
+            while True:
+                self._connect_newest()
+                if not heal:
+                    break
+                try:
+                    with self._phase("heal"):
+                        self._heal(fresh=fresh)
+                    break
+                except CommError:
+                    self.member.suspect(self.generation.number)
         self._reformed_record(failed)
+
+    @contextlib.contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Watch a re-form: one still under way after REFORM_PATIENCE deadlines is stuck (a wait without a deadline,
+        a bug), and rather than hang the run, this member writes its threads' stacks beside its records, says so in
+        one line, leaves the membership (the others re-form without it) and exits."""
+        if self.simulated:  # (a simulated member is a thread of the simulation's process)
+            yield
+            return
+        patience_s = REFORM_PATIENCE * self.config.run.deadline_s
+        watchdog = threading.Timer(patience_s, self._stuck, args=(patience_s,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+
+    def _stuck(self, patience_s: float) -> None:
+        stacks = self.records.file.with_name(f"stuck-{self.rank}.txt")
+        with open(stacks, "w") as out:
+            faulthandler.dump_traceback(out, all_threads=True)
+        print(f"fast: worker {self.rank} has been re-forming for {patience_s:g}s ({REFORM_PATIENCE} x run.deadline_s) "
+              f"and left the run: it is stuck (a bug; its threads' stacks are in {stacks})", file=sys.stderr,
+              flush=True)  # fmt: skip
+        report_left(self.member.access, self.rank, f"stuck re-forming for {patience_s:g}s")  # (a connection of its own)
+        os._exit(STUCK_EXIT_CODE)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -571,17 +626,19 @@ class Live:
         """(A joiner sitting out) the state its source sent when it came in, behind the steps since; a sync joiner
         then applies the steps it kept, as every member applied them. False when a peer went meanwhile (re-formed
         and healed)."""
-        incoming, source_id = self._coming
-        self._coming = None
+        incoming, source_id, _ = self._coming
         started = timing.now()
         try:
             state = unpacked(incoming.take())
         except CommError:
-            self._regroup(failed=True)
+            self._regroup(failed=True)  # (the heal may resume the line where it broke)
             return False
+        self._coming = None
         self._load_holdings(state)
         kept, self._kept_bytes = self._kept or [], 0
         replayed = {"replayed": len(kept)} if self._kept is not None else {}
+        if self._resumed_at:
+            replayed["resumed_at"] = self._resumed_at
         self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4),
                             **replayed)  # fmt: skip
         self._follow_schedule()  # (the optimizer's state carries its learning rates of when it was sent)
@@ -602,6 +659,47 @@ class Live:
         self.driver.step += 1
         self._moved_past_a_step()
 
+    def _sits_out_from(self, step: int, resuming: bool = False) -> int | None:
+        """The step up to which a joiner entering at `step` sits out while its state comes behind the steps
+        (`Strategy.sits_out_from`); None: it is healed whole (a sharded replica's, a simulated member's, and under a
+        user's loop sync's, which may do at its step what no replay does: its own scheduler, a GradScaler)."""
+        if self.shards > 1 or self.simulated:
+            return None
+        until = self.strategy.sits_out_from(step, resuming=resuming)
+        return None if until == UNTIL_STATE_COMES and not self.loop_is_fast else until
+
+    def _line_to_resume(self) -> list[int]:
+        """(A joiner whose line the last re-form cut) its source's id, the generation that began it, the bytes that
+        came, and the steps or round means it kept since: -1s when there is none, or its receive has not ended."""
+        if self._cut is not None and not self._cut[0][0].cut(FORM_S):
+            self._cut = None
+        if self._cut is None:
+            return [-1, -1, 0, 0]
+        (incoming, source_id, began), kept, _ = self._cut
+        return [source_id, began, incoming.received, len(kept)]
+
+    def _lines_resumed(self, world: Any, rows: torch.Tensor, behind: list[int], sources: list[int],
+                       step: int) -> dict[int, int]:  # fmt: skip
+        """The joiners (of `behind`) whose cut line goes on where it was cut, and the source of each: they stand at
+        `step` as the others, the source that sent it is one of `sources`, still holds what it sent, and has applied
+        since exactly as many steps or round means as the joiner kept (a round that went through on one and not on
+        the other would leave them unlike). Collective: a source says which of its lines it can go on with."""
+        sources_by_id = {int(rows[s, 0]): s for s in sources}
+        candidates = [m for m in behind if int(rows[m, 2]) == 2 and int(rows[m, 1]) == step
+                      and int(rows[m, 5]) in sources_by_id]  # fmt: skip
+        if not candidates:
+            return {}
+        me, kept_by_now = world.index(), self.strategy.kept_by_now(self.step)
+        holds = []
+        for m in candidates:
+            snapshot = self._snapshots.get(int(rows[m, 0])) if sources_by_id[int(rows[m, 5])] == me else None
+            holds.append(snapshot is not None and snapshot.generation == int(rows[m, 6])
+                         and int(rows[m, 7]) <= snapshot.payload.numel()
+                         and kept_by_now - snapshot.kept_by_then == int(rows[m, 8]))  # fmt: skip
+        with world.unmetered():
+            held = control.gathered(world, torch.tensor(holds, dtype=torch.int64)).sum(dim=0)
+        return {m: sources_by_id[int(rows[m, 5])] for m, h in zip(candidates, held.tolist(), strict=True) if h}
+
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
         return {"model": self._own_model().state_dict(), "optimizer": self._optimizer_state(),
@@ -617,11 +715,13 @@ class Live:
         # a sharded replica heals shard for shard: shard k of every replica together, over their own group
         world = self.world if self.shards == 1 else self.groups.replicate
         started, me = timing.now(), world.index()
-        # (what the last generation had under way)
+        # (what the last generation had under way: a joiner's line it cut may be resumed)
+        if self._coming is not None and self._kept is not None:
+            self._cut = (self._coming, self._kept, self._kept_bytes)
         self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], None, 0
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
         new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
-        row = [self.rank, self.step, new, shared, int(self._unagreed is not None)]
+        row = [self.rank, self.step, new, shared, int(self._unagreed is not None), *self._line_to_resume()]
         with world.unmetered():
             rows = control.gathered(world, torch.tensor(row, dtype=torch.int64))
         unagreed, self._unagreed = self._unagreed, None
@@ -637,54 +737,72 @@ class Live:
         first = int(holders[0])
         # behind: fresh, or at another step or with other shared state than the first holder (a look at the rows at
         # once: a member each, a thousand times over, would cost a simulated run a million looks)
-        late = (rows[:, 2] != 0) | (rows[:, 1::2] != rows[first, 1::2]).any(dim=1)
+        late = (rows[:, 2] != 0) | (rows[:, [1, 3]] != rows[first, [1, 3]]).any(dim=1)
         late[first] = False
         behind = late.nonzero().flatten().tolist()
         sources = (~late).nonzero().flatten().tolist()
-        source_of = {member: sources[j % len(sources)] for j, member in enumerate(behind)}
-        # joiners that sit out the round starting here, their state sent behind the others' steps (not a sharded
-        # replica's, nor a simulated member's: their heals stay whole)
-        until = None if self.shards > 1 or self.simulated else self.strategy.sits_out_from(int(rows[first, 1]))
-        if until == UNTIL_STATE_COMES and not self.loop_is_fast:
-            until = None  # a user's loop may do at its step what no replay does (its own scheduler, a GradScaler)
-        behind_steps = [m for m in behind if until is not None and int(rows[m, 2]) == 2]
+        # joiners that sit out the round starting here, their state sent behind the others' steps; and those whose
+        # line the last re-form cut, which go on with it, from the source that sent it, for the rest of the round
+        step = int(rows[first, 1])
+        until, until_resumed = self._sits_out_from(step), self._sits_out_from(step, resuming=True)
+        source_of = {} if until_resumed is None else self._lines_resumed(world, rows, behind, sources, step)
+        resuming = list(source_of)
+        others = [m for m in behind if m not in source_of]
+        source_of |= {member: sources[j % len(sources)] for j, member in enumerate(others)}
+        behind_steps = resuming + [m for m in others if until is not None and int(rows[m, 2]) == 2]
         if behind_steps:
-            self._sitting_out = (until, len(behind_steps))
+            self._sitting_out = (until_resumed if resuming else until, len(behind_steps))
             channel = world.separate_group()  # (collective) the states' own line, beside the round's exchanges
         sent = 0
         # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
         # later catch-up is real traffic that churn costs (over emulated links, it takes their time)
         metered = world.unmetered() if self.generation.number == 0 else contextlib.nullcontext()
         mine = [member for member, source in source_of.items() if source == me]
+        if not mine:
+            self._snapshots = {}
         # a whole state: the weights, the optimizer's moments, the strategy's anchors and memories
         limit = limit_for(self._own_model().state_dict(), times=8)
         if mine:
-            progress, holdings = self._progress(), self._holdings()
+            later = [member for member in mine if member in behind_steps]
+            going_on = {int(rows[m, 0]): self._snapshots[int(rows[m, 0])] for m in later if m in resuming}
+            progress = self._progress()
+            holdings = self._holdings() if len(going_on) < len(mine) else None
             whole = packed({**progress, **holdings}) if set(mine) - set(behind_steps) else None
-            parts = (packed(progress), packed(holdings)) if set(mine) & set(behind_steps) else None
+            if len(going_on) < len(later):
+                snapshot = Snapshot(packed(holdings), self.generation.number, self.strategy.kept_by_now(self.step))
+            # (what this member keeps sending: a snapshot until its joiner has it, the next heal's otherwise)
+            self._snapshots = {int(rows[m, 0]): going_on.get(int(rows[m, 0])) or snapshot for m in later}
             # in the order the others wait for them: where the run stands, to each joiner that takes its weights
             # behind the next steps; the whole states; then those weights, in the background (on this member's one
-            # link, whatever is sent after a state waits for all of it)
-            later = [member for member in mine if member in behind_steps]
+            # link, whatever is sent after a state waits for all of it), from where a cut line of theirs ended
             with metered:
+                note = packed(progress)
                 for member in later:
-                    world.send_bytes(parts[0], world.ranks[member])
-                    sent += parts[0].numel()
+                    world.send_bytes(note, world.ranks[member])
+                    sent += note.numel()
                 for member in mine:
                     if member not in later:
                         world.send_bytes(whole, world.ranks[member])
                         sent += whole.numel()
                 for member in later:
-                    self._sending.append(channel.isend_bytes(parts[1], world.ranks[member]))
-                    sent += parts[1].numel()
+                    payload, start = self._snapshots[int(rows[member, 0])].payload, int(rows[member, 7])
+                    start = start if member in resuming else 0
+                    self._sending.append(channel.isend_bytes(payload, world.ranks[member], start))
+                    sent += payload.numel() - start
         elif me in source_of:
             source, source_id = world.ranks[source_of[me]], int(rows[source_of[me]][0])
+            cut, self._cut = self._cut, None
             with metered:
                 if me in behind_steps:  # its weights taken before the round's mean, as the others step (`_sat_out`)
                     _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
                     self._load_progress(unpacked(progress))
-                    self._coming = (channel.irecv_bytes(source, limit), source_id)
-                    self._kept = []
+                    if me in resuming:  # the rest of the state, on top of what came; and what it kept meanwhile
+                        (incoming, _, began), self._kept, self._kept_bytes = cut
+                        self._coming = (channel.irecv_bytes(source, limit, incoming), source_id, began)
+                        self._resumed_at.append(incoming.received)
+                    else:
+                        self._coming = (channel.irecv_bytes(source, limit), source_id, self.generation.number)
+                        self._kept, self._resumed_at = [], []
                 else:
                     _, payload = world.recv_bytes(source, limit=limit)
                     state = unpacked(payload)
@@ -715,6 +833,7 @@ class Live:
                 "healed": [int(rows[i][0]) for i in behind],
                 "healed_from": [int(rows[source_of[i]][0]) for i in behind],
                 "healed_behind": [int(rows[i][0]) for i in behind_steps],  # (their state came behind the steps)
+                "resumed": [int(rows[i][0]) for i in resuming],  # (on a line the last re-form cut, where it was cut)
                 "catch_up_bytes": sent,
                 "catch_up_s": round(timing.now() - started, 4),
             })  # fmt: skip

@@ -216,13 +216,18 @@ class Strategy:
         """Whether the membership may change before step `step` (0-based): the base, any step."""
         return True
 
-    def sits_out_from(self, step: int) -> int | None:
+    def sits_out_from(self, step: int, resuming: bool = False) -> int | None:
         """A joiner entering at change point `step` while its state comes in the background sits out steps `step`
         up to the one returned (excluded), taking part in their exchanges without data (fast.runtime.live);
         `UNTIL_STATE_COMES`: every step until its state is in, whose averaged gradients it then applies as the
         others did (a strategy that averages gradients every step); None: a joiner takes its whole state before
-        the others go on (the base)."""
+        the others go on (the base). `resuming`: a joiner whose state's line a re-form cut, at any step."""
         return None
+
+    def kept_by_now(self, step: int) -> int:
+        """What a joiner sitting out since the run's start would have kept by step `step`, counted alike on every
+        member: one per step (its averaged gradients), the base; the periodic family's, one per round's mean."""
+        return step
 
     def shared_state(self) -> Any:
         """What every member of a live membership holds alike at a change point: a member whose copy differs (a

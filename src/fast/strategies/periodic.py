@@ -49,6 +49,7 @@ class PeriodicAveraging(Strategy):
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.last_step = -1
         self.moved = False  # this replica took a step since the last round
+        self.means_taken = 0  # the rounds whose mean went through here (`kept_by_now`)
 
     def in_background(self) -> bool:
         """Whether the rounds' exchanges run behind the next steps, on a thread of their own."""
@@ -81,6 +82,7 @@ class PeriodicAveraging(Strategy):
         self.nobody_contributed = mean is None
         if mean is not None:
             tensor.copy_(mean)
+            self.means_taken += 1
         self.sat_out_mean = tensor if mean is not None and not moved else None
         return mean is not None
 
@@ -94,16 +96,23 @@ class PeriodicAveraging(Strategy):
         state it holds now as every member applied it: `mean` is what that round's mean gave (`sat_out_mean`)."""
         raise NotImplementedError(f"strategy {self.name} does not sit rounds out")
 
-    def sits_out_from(self, step: int) -> int | None:
+    def sits_out_from(self, step: int, resuming: bool = False) -> int | None:
         """A round's mean over the workers that moved brings a worker that sat the round out (its share zeros, not
         counted) level with the others, provided it holds the state the round started from: so a joiner sits out
         the round starting at `step` while that state comes behind the others' steps, and takes it before the
         round's mean; if it is not in by then, the joiner keeps what the mean gave, sits the next round out too,
         and applies the kept means once it is (`replay_round`). Not with a codec (its error feedback is every
-        worker's own) nor an exchange running behind."""
+        worker's own) nor an exchange running behind. A joiner `resuming` a line a re-form cut holds, once the
+        rest is in and its kept means applied, the state the round under way started from: it sits out the rest
+        of that round, from any step of it."""
         if not self.background_heal or self.compressed is not None or self.in_background() or self.warming_up(step):
             return None
-        return step + self.options.period if self.change_point(step) else None
+        if self.change_point(step):
+            return step + self.options.period
+        return step + self.options.period - self.local_steps(step - 1) % self.options.period if resuming else None
+
+    def kept_by_now(self, step: int) -> int:
+        return self.means_taken
 
     def change_point(self, step: int) -> bool:
         """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""

@@ -279,7 +279,7 @@ class Sync(Strategy):
         if self.compressed is not None:
             self.compressed.close()
 
-    def sits_out_from(self, step: int) -> int | None:
+    def sits_out_from(self, step: int, resuming: bool = False) -> int | None:
         """A joiner takes each step's all-reduce without data until its state is in, then applies the averages it
         kept (fast.runtime.live): not with a codec, whose error feedback and momentum are each worker's own."""
         return UNTIL_STATE_COMES if self.compressed is None else None
