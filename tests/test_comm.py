@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from fast.comm import Comm, shared_memory
+from fast.comm import bootstrap as engine
 from fast.comm.shared_memory import SharedMemorySum, sum_buffer
 from fast.errors import CommError, CommTimeout
 from fast.runtime.launch import WorkerFailed
+from fast.runtime.run_store import RunStore, RunStoreServer
 from tests.distributed import run_distributed
 
 
@@ -192,6 +194,32 @@ def test_a_group_a_member_never_comes_to_make_fails_after_the_connect_time(no_or
     with pytest.raises(WorkerFailed, match=r"worker 0 failed: after .*forming a group of workers \[0, 1\]") as e:
         run_distributed(_a_group_one_member_never_makes, 2, deadline_s=30.0)
     assert 2.0 <= _waited_s(e) < 2.0 + 3.0  # the connect time, not the 30 s deadline
+
+
+def _forms_after_a_failed_attempt(comm: Comm, port: int, secret: bytes) -> float:
+    engine.abort()  # a live member leaving its generation's group
+    if comm.rank == 0:  # it tries to form a group its peer never comes to (the peer's generation is newer)
+        alone = RunStore("127.0.0.1", port, secret, 5.0).for_group("generation1/")
+        with pytest.raises(RuntimeError):
+            engine.start_group(alone, 0, 2, torch.device("cpu"), deadline_s=5.0, connect_s=1.0)
+    store = RunStore("127.0.0.1", port, secret, 20.0).for_group("generation2/")
+    group = engine.start_group(store, comm.rank, 2, torch.device("cpu"), deadline_s=20.0, connect_s=20.0)
+    total = torch.tensor([comm.rank + 1.0])
+    group.all_reduce(total)
+    return total.item()
+
+
+def test_members_that_failed_to_form_a_group_unequally_often_still_form_the_next_one(no_orphans):
+    """torch names a group after the count of groups its process made, and that name is part of every key its
+    members meet on: a failed attempt counted on one member and not on another made them miss each other at every
+    later generation (a live run re-forming every few seconds, forever). Each generation's group counts from 0."""
+    secret = os.urandom(32)
+    server = RunStoreServer("127.0.0.1", 0, secret)
+    try:
+        sums = run_distributed(_forms_after_a_failed_attempt, 2, server.port, secret, deadline_s=60.0)
+    finally:
+        server.close()
+    assert sums == {0: 3.0, 1: 3.0}
 
 
 def _sums(comm: Comm, shared_memory: bool) -> dict:

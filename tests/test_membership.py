@@ -577,10 +577,11 @@ from fast.runtime.membership import Access
 
 live.REFORM_PATIENCE = 1  # (x run.deadline_s)
 folder = Path(sys.argv[1])
+(folder / "workers").mkdir()
 member = object.__new__(live.Live)  # (its part of a worker, and what it reads of the rest)
 member.simulated, member.rank = False, 7
 member.config = types.SimpleNamespace(run=types.SimpleNamespace(deadline_s=0.5))
-member.records = types.SimpleNamespace(file=folder / "metrics-7.jsonl")
+member.run_dir = folder
 member.member = types.SimpleNamespace(access=Access.from_environment())
 with member._watched():
     threading.Event().wait()  # a wait without a deadline
@@ -607,7 +608,7 @@ def test_a_re_form_that_never_ends_leaves_the_run_in_one_line_with_its_threads_s
     assert done.returncode == STUCK_EXIT_CODE, done.stderr
     (line,) = done.stderr.splitlines()
     assert "worker 7 has been re-forming for 0.5s" in line and "stuck" in line, line
-    assert "threading.py" in (tmp_path / "stuck-7.txt").read_text()  # the main thread's wait, among the stacks
+    assert "threading.py" in (tmp_path / "workers" / "stuck-7.txt").read_text()  # the main thread's wait
     assert left == b"stuck re-forming for 0.5s"
 
 

@@ -158,6 +158,10 @@ def start_group(
     groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
     backend = backend_for(device)
     timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
+    # torch names a group after the count of groups its process made (the name is part of every key its members
+    # meet on), and only a group left resets the count, not an attempt that failed to form: without this, a member
+    # that failed to form one more time than another would never meet it again (every re-form would time out)
+    dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     with_deadline(None, deadline_s)
     # the group itself, not None (whatever group is the default when an operation starts): a collective of an

@@ -175,7 +175,8 @@ class Live:
             self.member.ready()
         self._reforming = Reforming()
         self._resumed_at, self._snapshots = [], {}
-        self._connect_newest(dropped_if_absent=False)
+        with self._watched():
+            self._connect_newest(dropped_if_absent=False)
         if not self.simulated:
             signal.signal(signal.SIGTERM, self._leave_on_sigterm)
 
@@ -529,9 +530,10 @@ class Live:
 
     @contextlib.contextmanager
     def _watched(self) -> Iterator[None]:
-        """Watch a re-form: one still under way after REFORM_PATIENCE deadlines is stuck (a wait without a deadline,
-        a bug), and rather than hang the run, this member writes its threads' stacks beside its records, says so in
-        one line, leaves the membership (the others re-form without it) and exits."""
+        """Watch a re-form (or a member's first group): one still under way after REFORM_PATIENCE deadlines is
+        stuck (a bug: a wait without a deadline, or attempts that can never meet), and rather than hang the run, this
+        member writes its threads' stacks beside its records, says so in one line, leaves the membership (the others
+        re-form without it) and exits."""
         if self.simulated:  # (a simulated member is a thread of the simulation's process)
             yield
             return
@@ -545,7 +547,7 @@ class Live:
             watchdog.cancel()
 
     def _stuck(self, patience_s: float) -> None:
-        stacks = self.records.file.with_name(f"stuck-{self.rank}.txt")
+        stacks = self.run_dir / "workers" / f"stuck-{self.rank}.txt"
         with open(stacks, "w") as out:
             faulthandler.dump_traceback(out, all_threads=True)
         print(f"fast: worker {self.rank} has been re-forming for {patience_s:g}s ({REFORM_PATIENCE} x run.deadline_s) "
