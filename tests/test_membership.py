@@ -695,15 +695,15 @@ def test_a_periodic_joiner_whose_state_is_slower_than_a_round_sits_rounds_out_an
             joiner.stdin.write("join\n")
             joiner.stdin.flush()
             time.sleep(1)
-        _stop_once_joined(run, joiners[1], run, 4)
-        joiners[0].communicate(timeout=120)
+        said = [_stop_once_joined(run, joiners[1], run, 4)]
+        said.insert(0, joiners[0].communicate(timeout=120)[1])
         proc.communicate(timeout=120)
     finally:
         for p in (proc, *joiners):
             if p.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
                 p.wait()
-    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners)
+    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners), said
     events = json.loads((run / "summary.json").read_text())["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2, 3, 4]], events
     (first,) = _healed(run, 3)

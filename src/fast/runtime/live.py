@@ -293,6 +293,8 @@ class Live:
             self._samples_reported = samples
             if answer.any(1) or self._samples_spent():
                 self._stopping = True
+            if not answer.total(3):
+                self._snapshots = {}  # (a source's: every state sent behind the steps is in, none to resume)
             # a generation that only adds members waits for the joiners whose state is under way (a re-form would cut
             # its line): for a round at most (`_sat_out`)
             if not answer.any(0) or (answer.total(3) and not answer.any(4)):
