@@ -649,6 +649,7 @@ class Live:
         now = self._optimizer_settings()
         for replay in kept:
             replay()
+        self.strategy.sat_out_to(self.step)
         self._optimizer_settings(now)
         if self._kept is not None:
             self._kept = []

@@ -224,9 +224,13 @@ class Strategy:
         the others go on (the base). `resuming`: a joiner whose state's line a re-form cut, at any step."""
         return None
 
+    def sat_out_to(self, step: int) -> None:
+        """A joiner's state is in at `step`, the steps before it sat out (fast.runtime.live): the base, nothing."""
+
     def kept_by_now(self, step: int) -> int:
-        """What a joiner sitting out since the run's start would have kept by step `step`, counted alike on every
-        member: one per step (its averaged gradients), the base; the periodic family's, one per round's mean."""
+        """A count of what a joiner sitting out keeps, on this member at step `step`: one per step (its averaged
+        gradients), the base; the periodic family's, one per round's mean that went through here. Between two of a
+        member's counts lies what a joiner that sat out from the first to the second kept, if it kept the same."""
         return step
 
     def shared_state(self) -> Any:

@@ -114,6 +114,12 @@ class PeriodicAveraging(Strategy):
     def kept_by_now(self, step: int) -> int:
         return self.means_taken
 
+    def sat_out_to(self, step: int) -> None:
+        """The steps sat out count as taken without moving, as the others took them: the state loaded says where its
+        source stood when it was sent, and a round given up since (a resumed line's) replays no mean to move it on;
+        else the run's end would owe the others a last round and not this worker."""
+        self.last_step = max(self.last_step, step - 1)
+
     def change_point(self, step: int) -> bool:
         """Any warm-up step, and the first step of each round: a joiner starts a round from the shared weights."""
         return self.warming_up(step) or self.local_steps(step - 1) % self.options.period == 0
