@@ -57,6 +57,7 @@ class ChurnDriver:
         self.returns: list[float] = []  # when a new worker comes in
         self.joiners: list[subprocess.Popen] = []
         self.standby: subprocess.Popen | None = None
+        self.standbys = 0  # standby joiners started
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fast-churn", daemon=True)
         self._thread.start()
@@ -90,8 +91,11 @@ class ChurnDriver:
         """A joiner that gets ready now and joins when it is given a line (`fast join --standby`)."""
         env = {**os.environ, "FAST_PROGRESS": "0"}
         command = [sys.executable, "-m", "fast", "join", str(self.run_dir), "--standby"]
-        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, preexec_fn=_die_with_launcher, **quiet)
+        self.standbys += 1  # (what one says, a failure's line included, is kept beside the members' records)
+        (self.run_dir / "workers").mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "workers" / f"standby-{self.standbys}.err", "wb") as said:
+            return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=said,
+                                    preexec_fn=_die_with_launcher)  # fmt: skip
 
     def _bring_one_in(self) -> None:
         """The standby joins (if it died getting ready, a new one does: cold), and a new standby gets ready."""
@@ -116,3 +120,6 @@ class ChurnDriver:
             except subprocess.TimeoutExpired:
                 joiner.terminate()
                 joiner.wait()
+        for said in (self.run_dir / "workers").glob("standby-*.err"):
+            if not said.stat().st_size:  # (those that had nothing to say)
+                said.unlink()
