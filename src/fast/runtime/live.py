@@ -739,6 +739,10 @@ class Live:
         rows[applies, 1] += 1
         if applies[me]:
             self._apply_unagreed(unagreed)
+        if applies.any():  # their shared state as it is now, the step applied (not as they gathered it before)
+            shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
+            with world.unmetered():
+                rows[:, 3] = control.gathered(world, torch.tensor([shared], dtype=torch.int64))[:, 0]
         first = int(holders[0])
         # behind: fresh, or at another step or with other shared state than the first holder (a look at the rows at
         # once: a member each, a thousand times over, would cost a simulated run a million looks)
