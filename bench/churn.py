@@ -3,7 +3,8 @@ back (`[faults] churn`).
 
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
                                     [--equal tokens|time] [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
-    .venv/bin/python bench/churn.py --goodput --failure-every 15 --time 600 --strategies sync local-sgd diloco
+    .venv/bin/python bench/churn.py --goodput --failure-every 15 --time 600 --steady-time 180 [--first-seed 0] \
+                                    --strategies sync local-sgd diloco
 
 Every run's membership is live (`run.membership = "live"`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by
 default; `--real-links`: this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With
@@ -144,12 +145,15 @@ def main() -> int:
     parser.add_argument("--goodput", action="store_true", help="samples per member-second, churned over steady")
     parser.add_argument("--failure-every", type=float, help="--goodput: seconds between failures, on average")
     parser.add_argument("--absence", type=float, default=5.0, help="--goodput: a member's mean time away (seconds)")
+    parser.add_argument("--steady-time", type=float, help="--goodput: the steady run's seconds (default --time): "
+                        "its samples per member-second is a rate, level after its first seconds")  # fmt: skip
+    parser.add_argument("--first-seed", type=int, default=0, help="the seeds are this one and the next ones")
     args = parser.parse_args()
     network = {} if args.real_links else {"network__bandwidth": args.bandwidth, "network__latency": args.latency}
     if args.goodput:
         return goodput(args, network)
     rows = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for strategy in args.strategies:
             samples = None
             for churn in (False, True):  # alternated, so that a drift of the host hits both alike
@@ -190,13 +194,13 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
         raise SystemExit("bench/churn.py --goodput needs --failure-every SECONDS (a failure every 15 s: 15)")
     draws = (args.failure_every * args.workers, args.absence)
     rows = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for strategy in args.strategies:
             churned = one_run(args.out / f"{strategy}-churn-seed{seed}", strategy, seed, args.workers, args.time,
                               draws, network)  # fmt: skip
             members = max(1, round(churned["member_s"] / churned["train_s"]))
-            steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members, args.time, None,
-                             network)  # fmt: skip
+            steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members,
+                             args.steady_time or args.time, None, network)  # fmt: skip
             churned["recovery_median_max_s"] = median_and_max(churned["recovery_s"])
             for row in (churned, steady):
                 row["goodput"] = row["samples"] / row["member_s"]
@@ -204,7 +208,8 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
                 print(json.dumps(row), flush=True)
     (args.out / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"\nfailures every {args.failure_every:g} s on average (each member's mean stay "
-          f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a run, {args.seeds} seeds")  # fmt: skip
+          f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a churned run, "
+          f"{args.steady_time or args.time:g} s a steady one, {args.seeds} seeds")  # fmt: skip
     print(f"{'strategy':<10} {'failures':>9} {'members':>8} {'churned/s':>10} {'steady/s':>9} {'ratio':>6}"
           f" {'min-max':<11} {'recovery s median/max (n)':>26}")  # fmt: skip
     met = True

@@ -167,11 +167,12 @@ def test_emulated_bytes_are_the_payloads_only(ping_pong):
 
 def test_collectives_run_as_rounds_with_right_values_and_ring_bytes(scenarios):
     out = {rank: scenarios[rank]["collectives"] for rank in scenarios}
+    # 2(N-1) rounds, each one latency, for the rank that began first (a later one finds its first message under way)
+    assert max(out[r]["ring_s"] for r in range(3)) >= 4 * 0.01
     for r in range(3):
         got = out[r]
         assert got["sum"] == (torch.arange(1000.0) * 6).tolist()
         assert 4 * 4 * 333 <= got["ring_bytes"] <= 4 * 4 * 334  # 2(N-1) chunks of about 4000/N bytes
-        assert got["ring_s"] >= 4 * 0.01  # 2(N-1) rounds, each one latency
         assert got["mean"] == [1.0] * 5
         assert got["max"] == [2.0, 0.0]
         assert got["gathered"] == [[0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]

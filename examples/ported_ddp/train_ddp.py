@@ -112,4 +112,5 @@ for it in range(args.iters):
         torch.save(checkpoint, os.path.join(args.out, "ckpt.pt"))
 
 if ddp:
+    dist.barrier()  # rank 0 evaluates and saves last: nobody tears the group down under it
     dist.destroy_process_group()
