@@ -25,7 +25,12 @@ Target: churned / steady >= 0.9 per member-second. Each failure's recovery: the 
 leave (summary `membership`, `left`: `evicted_unix_time`; the member dies within a heartbeat, 0.5 s) to the first
 generation without it formed and healed (its `unix_time`: the survivors take their next step together), the periodic
 family's including the local steps the survivors take to the end of the round; median/max over a run's failures, and
-over every seed's per strategy (a member that went on its own, not told by churn, has none)."""
+over every seed's per strategy (a member that went on its own, not told by churn, has none). The idle shares: the
+churned runs' member-seconds present in which a member could train nothing, as shares of them all, by cause: the
+members re-forming (their `re-formed` records), joiners sitting out while their state came (`sat_out_s` of their
+`healed` records), members dead until the generation without them (their recovery). The ratio's gap beyond their sum
+is steps that churn slows (catch-up bytes on the links, joiners' processes starting on the host's cores) and what a
+killed member trained since its last round."""
 
 from __future__ import annotations
 
@@ -84,6 +89,28 @@ def reforming(run: Path) -> dict[str, float]:
     return {**spent, "longest": max((r["reform_s"] for r in records), default=0.0)}
 
 
+def sat_out(run: Path) -> float:
+    """The joiners' seconds sitting out while their state came behind the steps (their `healed` records), summed."""
+    records = [json.loads(line) for path in sorted((run / "workers").glob("metrics-*.jsonl"))
+               for line in path.read_text().splitlines() if '"healed"' in line]  # fmt: skip
+    return round(sum(r.get("sat_out_s", 0.0) for r in records), 1)
+
+
+def time_lost(row: dict) -> dict[str, float]:
+    """A churned run's member-seconds present that could train nothing, by cause: the members re-forming, joiners
+    sitting out while their state came, members dead until the generation without them (their recovery seconds)."""
+    reforms = row["reforming_member_s"]
+    return {"re-forming": round(sum(reforms[phase] for phase in REFORM_PHASES), 1), "sitting out": row["sat_out_s"],
+            "dead": round(sum(row["recovery_s"]), 1)}  # fmt: skip
+
+
+def idle_shares(pairs: list[tuple[dict, dict]]) -> str:
+    """The churned runs' member-seconds lost to each cause (`time_lost`), as shares of their member-seconds."""
+    total = sum(c["member_s"] for c, _ in pairs)
+    causes = pairs[0][0]["lost_member_s"]
+    return "/".join(f"{sum(c['lost_member_s'][cause] for c, _ in pairs) / total:.3f}" for cause in causes)
+
+
 def median_and_max(seconds: list[float]) -> str:
     """`seconds`' median and max, and how many: "median/max (n)" (a dash when there are none)."""
     return f"{statistics.median(seconds):.1f}/{max(seconds):.1f} ({len(seconds)})" if seconds else "-"
@@ -123,6 +150,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "recovery_s": [round(s, 2) for s in recovery_seconds(events)],
         "workers_at_end": summary.get("workers_at_end"),
         "reforming_member_s": reforming(out),
+        "sat_out_s": sat_out(out),
     }
 
 
@@ -202,6 +230,7 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
             steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members,
                              args.steady_time or args.time, None, network)  # fmt: skip
             churned["recovery_median_max_s"] = median_and_max(churned["recovery_s"])
+            churned["lost_member_s"] = time_lost(churned)
             for row in (churned, steady):
                 row["goodput"] = row["samples"] / row["member_s"]
                 rows.append(row)
@@ -211,7 +240,7 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
           f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a churned run, "
           f"{args.steady_time or args.time:g} s a steady one, {args.seeds} seeds")  # fmt: skip
     print(f"{'strategy':<10} {'failures':>9} {'members':>8} {'churned/s':>10} {'steady/s':>9} {'ratio':>6}"
-          f" {'min-max':<11} {'recovery s median/max (n)':>26}")  # fmt: skip
+          f" {'min-max':<11} {'recovery s median/max (n)':>26}  {'idle share: re-form/sit out/dead':>32}")  # fmt: skip
     met = True
     for strategy in args.strategies:
         pairs = [(c, s) for c, s in zip(rows[::2], rows[1::2], strict=True) if c["strategy"] == strategy]
@@ -223,7 +252,8 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
               f" {statistics.mean(c['goodput'] for c, _ in pairs):>10.1f}"
               f" {statistics.mean(s['goodput'] for _, s in pairs):>9.1f}"
               f" {statistics.mean(ratios):>6.3f} {spread:<11}"
-              f" {median_and_max([s for c, _ in pairs for s in c['recovery_s']]):>26}")  # fmt: skip
+              f" {median_and_max([s for c, _ in pairs for s in c['recovery_s']]):>26}"
+              f"  {idle_shares(pairs):>32}")  # fmt: skip
     print(f"\nsamples per member-second, churned / steady >= {GOODPUT_TARGET}: {'met' if met else 'NOT met'}")
     return 0
 

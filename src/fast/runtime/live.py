@@ -72,6 +72,16 @@ from fast.strategies.base import UNTIL_STATE_COMES
 REFORM_PHASES = ("generation", "arrive", "form", "heal")  # where a re-form's seconds go (its `re-formed` record)
 
 
+class HealRow:
+    """The columns of the row each member gives at a heal (`Live._heal`): its id, its step, whether it is new (1),
+    holds nothing yet (EMPTY) or holds the run's state (0), a fingerprint of its shared state, whether it kept the
+    step a death broke; and of its line the last re-form cut (`Live._line_to_resume`): the source's id, the
+    generation that began it, the bytes that came, the steps or round means kept since."""
+
+    ID, STEP, NEW, SHARED, UNAGREED, CUT_SOURCE, CUT_GENERATION, CUT_BYTES, CUT_KEPT = range(9)
+    EMPTY = 2
+
+
 @dataclass
 class Snapshot:
     """(A source) the state it sends a joiner behind the steps, kept until the joiner has it (a re-form that cuts the
@@ -137,6 +147,7 @@ class Live:
     # (a joiner's) that line as a re-form cut it, and what it had kept: the next heal may resume it
     _cut: tuple[tuple[IncomingBytes, int, int], list[Callable[[], None]], int] | None = None
     _resumed_at: list[int]  # (a joiner's) the bytes of its state already in each time a cut line was resumed
+    _sat_out_since: float  # (a joiner's) when it began to sit out while its state came behind the steps
     _snapshots: dict[int, Snapshot]  # (a source's) the states it sends behind the steps, by joiner
     # (a joiner sitting out) what every member applied at the steps (sync) or rounds (the periodic family) it sat out
     # before its state was in, each to be applied as they did once it is; None on a member that takes the steps
@@ -644,7 +655,7 @@ class Live:
         if self._resumed_at:
             replayed["resumed_at"] = self._resumed_at
         self._healed_record(source_id, state["fingerprint"], behind=True, waited_s=round(timing.now() - started, 4),
-                            **replayed)  # fmt: skip
+                            sat_out_s=round(timing.now() - self._sat_out_since, 4), **replayed)  # fmt: skip
         self._follow_schedule()  # (the optimizer's state carries its learning rates of when it was sent)
         now = self._optimizer_settings()
         for replay in kept:
@@ -689,21 +700,26 @@ class Live:
         `step` as the others, the source that sent it is one of `sources`, still holds what it sent, and has applied
         since exactly as many steps or round means as the joiner kept (a round that went through on one and not on
         the other would leave them unlike). Collective: a source says which of its lines it can go on with."""
-        sources_by_id = {int(rows[s, 0]): s for s in sources}
-        candidates = [m for m in behind if int(rows[m, 2]) == 2 and int(rows[m, 1]) == step
-                      and int(rows[m, 5]) in sources_by_id]  # fmt: skip
+        cut = rows[:, HealRow.CUT_SOURCE :].tolist()  # (a line's source id, generation, bytes in, kept count)
+        sources_by_id = {int(rows[s, HealRow.ID]): s for s in sources}
+        candidates = [m for m in behind if int(rows[m, HealRow.NEW]) == HealRow.EMPTY
+                      and int(rows[m, HealRow.STEP]) == step and cut[m][0] in sources_by_id]  # fmt: skip
         if not candidates:
             return {}
         me, kept_by_now = world.index(), self.strategy.kept_by_now(self.step)
         holds = []
         for m in candidates:
-            snapshot = self._snapshots.get(int(rows[m, 0])) if sources_by_id[int(rows[m, 5])] == me else None
-            holds.append(snapshot is not None and snapshot.generation == int(rows[m, 6])
-                         and int(rows[m, 7]) <= snapshot.payload.numel()
-                         and kept_by_now - snapshot.kept_by_then == int(rows[m, 8]))  # fmt: skip
+            source, generation, received, kept = cut[m]
+            snapshot = self._snapshots.get(int(rows[m, HealRow.ID])) if sources_by_id[source] == me else None
+            holds.append(
+                snapshot is not None
+                and snapshot.generation == generation
+                and received <= snapshot.payload.numel()
+                and kept_by_now - snapshot.kept_by_then == kept
+            )
         with world.unmetered():
             held = control.gathered(world, torch.tensor(holds, dtype=torch.int64)).sum(dim=0)
-        return {m: sources_by_id[int(rows[m, 5])] for m, h in zip(candidates, held.tolist(), strict=True) if h}
+        return {m: sources_by_id[cut[m][0]] for m, h in zip(candidates, held.tolist(), strict=True) if h}
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
@@ -725,40 +741,44 @@ class Live:
             self._cut = (self._coming, self._kept, self._kept_bytes)
         self._sitting_out, self._coming, self._sending, self._kept, self._kept_bytes = None, None, [], None, 0
         shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
-        new = 2 if not self._holds_state else int(fresh)  # (2: a joiner that holds nothing yet)
+        new = HealRow.EMPTY if not self._holds_state else int(fresh)
         row = [self.rank, self.step, new, shared, int(self._unagreed is not None), *self._line_to_resume()]
         with world.unmetered():
             rows = control.gathered(world, torch.tensor(row, dtype=torch.int64))
         unagreed, self._unagreed = self._unagreed, None
-        holders = (rows[:, 2] != 2).nonzero().flatten()
+        ids = rows[:, HealRow.ID].tolist()
+        holders = (rows[:, HealRow.NEW] != HealRow.EMPTY).nonzero().flatten()
         if not len(holders):
             raise RunEnded("every member that held the run's state is gone, and its joiners were not healed yet: "
                            "the run cannot go on")  # fmt: skip
         # a member that kept the step whose round a death broke, where a holder applied it, applies it too
-        applies = (rows[:, 2] == 0) & (rows[:, 4] == 1) & (rows[:, 1] + 1 == rows[holders, 1].max())
-        rows[applies, 1] += 1
+        steps = rows[:, HealRow.STEP]
+        applies = (rows[:, HealRow.NEW] == 0) & (rows[:, HealRow.UNAGREED] == 1) & (steps + 1 == steps[holders].max())
+        rows[applies, HealRow.STEP] += 1
         if applies[me]:
             self._apply_unagreed(unagreed)
         if applies.any():  # their shared state as it is now, the step applied (not as they gathered it before)
             shared = int(fingerprint(self.strategy.shared_state())[:15], 16)
             with world.unmetered():
-                rows[:, 3] = control.gathered(world, torch.tensor([shared], dtype=torch.int64))[:, 0]
+                rows[:, HealRow.SHARED] = control.gathered(world, torch.tensor([shared], dtype=torch.int64))[:, 0]
         first = int(holders[0])
         # behind: fresh, or at another step or with other shared state than the first holder (a look at the rows at
         # once: a member each, a thousand times over, would cost a simulated run a million looks)
-        late = (rows[:, 2] != 0) | (rows[:, [1, 3]] != rows[first, [1, 3]]).any(dim=1)
+        alike = [HealRow.STEP, HealRow.SHARED]
+        late = (rows[:, HealRow.NEW] != 0) | (rows[:, alike] != rows[first, alike]).any(dim=1)
         late[first] = False
         behind = late.nonzero().flatten().tolist()
         sources = (~late).nonzero().flatten().tolist()
         # joiners that sit out the round starting here, their state sent behind the others' steps; and those whose
         # line the last re-form cut, which go on with it, from the source that sent it, for the rest of the round
-        step = int(rows[first, 1])
+        step = int(rows[first, HealRow.STEP])
         until, until_resumed = self._sits_out_from(step), self._sits_out_from(step, resuming=True)
         source_of = {} if until_resumed is None else self._lines_resumed(world, rows, behind, sources, step)
         resuming = list(source_of)
         others = [m for m in behind if m not in source_of]
         source_of |= {member: sources[j % len(sources)] for j, member in enumerate(others)}
-        behind_steps = resuming + [m for m in others if until is not None and int(rows[m, 2]) == 2]
+        joiners = [m for m in others if int(rows[m, HealRow.NEW]) == HealRow.EMPTY]
+        behind_steps = resuming + (joiners if until is not None else [])
         if behind_steps:
             self._sitting_out = (until_resumed if resuming else until, len(behind_steps))
             channel = world.separate_group()  # (collective) the states' own line, beside the round's exchanges
@@ -773,14 +793,14 @@ class Live:
         limit = limit_for(self._own_model().state_dict(), times=8)
         if mine:
             later = [member for member in mine if member in behind_steps]
-            going_on = {int(rows[m, 0]): self._snapshots[int(rows[m, 0])] for m in later if m in resuming}
+            going_on = {ids[m]: self._snapshots[ids[m]] for m in later if m in resuming}
             progress = self._progress()
             holdings = self._holdings() if len(going_on) < len(mine) else None
             whole = packed({**progress, **holdings}) if set(mine) - set(behind_steps) else None
             if len(going_on) < len(later):
                 snapshot = Snapshot(packed(holdings), self.generation.number, self.strategy.kept_by_now(self.step))
             # (what this member keeps sending: a snapshot until its joiner has it, the next heal's otherwise)
-            self._snapshots = {int(rows[m, 0]): going_on.get(int(rows[m, 0])) or snapshot for m in later}
+            self._snapshots = {ids[m]: going_on.get(ids[m]) or snapshot for m in later}
             # in the order the others wait for them: where the run stands, to each joiner that takes its weights
             # behind the next steps; the whole states; then those weights, in the background (on this member's one
             # link, whatever is sent after a state waits for all of it), from where a cut line of theirs ended
@@ -794,12 +814,12 @@ class Live:
                         world.send_bytes(whole, world.ranks[member])
                         sent += whole.numel()
                 for member in later:
-                    payload, start = self._snapshots[int(rows[member, 0])].payload, int(rows[member, 7])
-                    start = start if member in resuming else 0
+                    payload = self._snapshots[ids[member]].payload
+                    start = int(rows[member, HealRow.CUT_BYTES]) if member in resuming else 0
                     self._sending.append(channel.isend_bytes(payload, world.ranks[member], start))
                     sent += payload.numel() - start
         elif me in source_of:
-            source, source_id = world.ranks[source_of[me]], int(rows[source_of[me]][0])
+            source, source_id = world.ranks[source_of[me]], ids[source_of[me]]
             cut, self._cut = self._cut, None
             with metered:
                 if me in behind_steps:  # its weights taken before the round's mean, as the others step (`_sat_out`)
@@ -811,7 +831,7 @@ class Live:
                         self._resumed_at.append(incoming.received)
                     else:
                         self._coming = (channel.irecv_bytes(source, limit), source_id, self.generation.number)
-                        self._kept, self._resumed_at = [], []
+                        self._kept, self._resumed_at, self._sat_out_since = [], [], timing.now()
                 else:
                     _, payload = world.recv_bytes(source, limit=limit)
                     state = unpacked(payload)
@@ -839,10 +859,10 @@ class Live:
                 "members": generation.members,
                 "joined": [m for m in generation.members if m not in then],
                 "left": [entry for g in skipped for entry in g.left if entry["member"] in gone],
-                "healed": [int(rows[i][0]) for i in behind],
-                "healed_from": [int(rows[source_of[i]][0]) for i in behind],
-                "healed_behind": [int(rows[i][0]) for i in behind_steps],  # (their state came behind the steps)
-                "resumed": [int(rows[i][0]) for i in resuming],  # (on a line the last re-form cut, where it was cut)
+                "healed": [ids[i] for i in behind],
+                "healed_from": [ids[source_of[i]] for i in behind],
+                "healed_behind": [ids[i] for i in behind_steps],  # (their state came behind the steps)
+                "resumed": [ids[i] for i in resuming],  # (on a line the last re-form cut, where it was cut)
                 "catch_up_bytes": sent,
                 "catch_up_s": round(timing.now() - started, 4),
             })  # fmt: skip
