@@ -11,6 +11,7 @@ import torch
 from fast.assemble import load_config, world_size
 from fast.comm import MessageLost
 from fast.comm.waiting import waiting
+from fast.emulation import network
 from fast.emulation.compute import CRASH_EXIT_CODE, EmulatedMachine, MachinePlan
 from fast.emulation.deployment import link_table, machine_for
 from fast.emulation.links import EmulatedLink, LinkTable, Outage
@@ -386,3 +387,16 @@ def test_a_crash_fault_ends_the_process_abruptly_at_its_step_or_time(tmp_path):
     assert at_step["fault"] == "crash" and at_step["worker"] == 2 and at_step["step"] == 3
     at_time = json.loads((tmp_path / "time.jsonl").read_text())
     assert "step" not in at_time and at_time["time_s"] >= 0.3
+
+
+def test_a_groups_thread_of_emulated_collectives_ends_when_idle_and_starts_again(monkeypatch):
+    """A live run re-forms its groups at every change: the groups of past generations leave no thread behind (one
+    churned run kept dozens), and a group idle for a while still runs its next collective."""
+    monkeypatch.setattr(network, "IDLE_S", 0.05)
+    rounds = network._Rounds()
+    assert rounds.submit(lambda: 1).result(timeout=5) == 1
+    end = time.monotonic() + 5
+    while rounds._thread is not None and time.monotonic() < end:
+        time.sleep(0.01)
+    assert rounds._thread is None
+    assert rounds.submit(lambda: 2).result(timeout=5) == 2

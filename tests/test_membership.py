@@ -23,9 +23,9 @@ from fast.errors import ConfigError
 from fast.jobs.code import load_data, make_model
 from fast.optim import build_optimizer
 from fast.parts import resolve
-from fast.runtime.live import STUCK_EXIT_CODE
+from fast.runtime.live import STUCK_EXIT_CODE, Live
 from fast.runtime.loader import epoch_order
-from fast.runtime.membership import Access, connect, read_key
+from fast.runtime.membership import Access, Coordinator, Member, connect, read_key
 from fast.runtime.run_store import RunStoreServer
 from fast.tools.cli import main
 from tests.processes import listening
@@ -265,9 +265,10 @@ def test_a_periodic_joiner_sits_its_first_round_out_while_its_state_comes_behind
 
 
 def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orphans):
-    """`fast join --standby` gets ready (imports, config, a warm fork server) and says so; given a line, it is
-    admitted, healed and trains its first step within seconds (bounded generously here: 2 busy cores; the churn
-    bench measures it); a standby whose input ends leaves without joining."""
+    """`fast join --standby` gets ready (imports, config) and says so; given a line, it is admitted, healed and
+    trains its first step within seconds (bounded generously here: 2 busy cores; the churn bench measures it), in a
+    process forked from it (no fork server imports it all again); a standby whose input ends leaves without
+    joining."""
     run = tmp_path / "run"
     proc = _start(run, {"run.workers": 2, "run.max_time": "300s"})  # ended by fast stop
     env = {**os.environ, "FAST_PROGRESS": "0"}
@@ -289,6 +290,8 @@ def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orp
         took_part_s = time.monotonic() - asked
         assert took_part_s < 30, took_part_s
         print(f"a standby joiner trained its first step {took_part_s:.2f} s after its line")
+        (worker,) = psutil.Process(joiner.pid).children(recursive=True)
+        assert " ".join(worker.cmdline()).startswith("fast worker"), worker.cmdline()
         _stop_once_joined(run, joiner, run, 2)
         assert joiner.returncode == 0
         proc.communicate(timeout=120)
@@ -610,6 +613,31 @@ def test_a_re_form_that_never_ends_leaves_the_run_in_one_line_with_its_threads_s
     assert "worker 7 has been re-forming for 0.5s" in line and "stuck" in line, line
     assert "threading.py" in (tmp_path / "workers" / "stuck-7.txt").read_text()  # the main thread's wait
     assert left == b"stuck re-forming for 0.5s"
+
+
+def test_a_generation_a_member_found_broken_ends_every_wait_in_it(tmp_path):
+    """A member whose collective failed, with nobody gone, suspects its generation: the coordinator publishes the next
+    with the same members, marked broken, and a wait in the old one gives up (a member outside the failed collective
+    waited out its deadline otherwise, while the others could not form without it: a 38 s re-form under churn)."""
+    parts = resolve({"run": {"workers": 2, "membership": "live"}, "data": {"name": "digits"}, "model": {"name": "mlp"}})
+    coordinator = Coordinator(tmp_path, parts.config, parts.deployment, "127.0.0.1")
+    member = Member(coordinator.access, 1, 5.0)
+    try:
+        waiting = object.__new__(Live)  # (what a member's wait asks: its membership, and the generation it is in)
+        waiting.member, waiting.generation = member, member.generation(0)
+        assert waiting._superseded() is None
+        member.suspect(0)
+        end = time.monotonic() + 10
+        while member.newest() < 1 and time.monotonic() < end:
+            time.sleep(0.02)
+        newer = member.generation(1)
+        assert newer.broken and newer.members == [0, 1] and not newer.left
+        assert waiting._superseded() == "the membership changed (generation 1)"
+        waiting.generation = newer
+        assert waiting._superseded() is None
+    finally:
+        member.close()
+        coordinator.close()
 
 
 def _records(run: Path, member: int, kind: str) -> list[dict]:

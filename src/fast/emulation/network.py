@@ -23,6 +23,7 @@ links. Traffic inside `unmetered()` (measurement only) bypasses the emulated lin
 
 from __future__ import annotations
 
+import queue
 import struct
 import threading
 from collections import defaultdict
@@ -44,6 +45,7 @@ from fast.errors import CommError
 COLLECTIVE_TAG = tags.COLLECTIVE  # the tag of emulated collectives' rounds
 HEADER_BYTES = 32  # deliverable-at time, flags, payload length, padding (keeps payload views aligned)
 _HEADER = struct.Struct("<dqq8x")
+IDLE_S = 30.0  # a group's thread of emulated collectives ends once idle this long (`_Rounds`)
 _LOST, _MEASUREMENT = 1, 2  # header flags
 
 
@@ -220,25 +222,35 @@ class _FutureWork:
 
 
 class _Rounds:
-    """One daemon thread running a group's emulated collectives in the order they were called."""
+    """One daemon thread running a group's emulated collectives in the order they were called. On a real clock it
+    ends once the group has been idle for IDLE_S, and the next collective starts another: a live run's groups of
+    past generations leave no thread behind."""
 
     def __init__(self) -> None:
         self._queue = timing.Queue()
         self._thread: Any = None
         self._lock = threading.Lock()
+        self._idle_s = IDLE_S if timing.simulation() is None else None
 
     def submit(self, fn: Callable[[], Any]) -> Any:
         future = timing.Future()
-        with self._lock:
+        with self._lock:  # (put under the lock: a thread that finds the queue empty there has ended for good)
             if self._thread is None:
                 self._thread = timing.Thread(self._loop, "fast-emulated-collectives")
                 self._thread.start()
-        self._queue.put((fn, future))
+            self._queue.put((fn, future))
         return future
 
     def _loop(self) -> None:
         while True:
-            fn, future = self._queue.get()
+            try:
+                fn, future = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:

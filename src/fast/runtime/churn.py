@@ -7,7 +7,7 @@ member that holds the run's state stays too (with none, the run could not go on:
 healed, as its reports in the store say): its stay is drawn again. After an
 exponential absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like
 any joiner. The new worker is warm: the driver keeps a standby joiner ready (`fast join --standby`: imported, its
-config read, its fork server warm) and gives it its line; a new standby gets ready meanwhile. The draws are seeded by
+config read) and gives it its line; a new standby gets ready meanwhile. The draws are seeded by
 `run.seed`; times count from the start of training (the first group formed).
 """
 

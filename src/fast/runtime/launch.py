@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -140,8 +141,7 @@ def _context() -> Any:
     from multiprocessing import forkserver, util
 
     ctx = mp.get_context("forkserver")
-    preload = [name.strip() for name in os.environ.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
-    ctx.set_forkserver_preload(["fast.jobs.loop", "torch._dynamo", *preload])  # one that does not import is skipped
+    ctx.set_forkserver_preload(_preloaded())  # one that does not import is skipped
     spawn = util.spawnv_passfds
     with held_interrupts():
         util.spawnv_passfds = _spawn_in_a_group_of_its_own
@@ -153,16 +153,20 @@ def _context() -> Any:
     return ctx
 
 
-def _ready() -> None:
-    """(a process forked to find the fork server ready)"""
+def _preloaded() -> list[str]:
+    """The modules a worker's process has imported before it starts: torch and FAST's loop, torch._dynamo (which the
+    first optimizer imports), and the user's (PRELOAD_VARIABLE)."""
+    more = [name.strip() for name in os.environ.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
+    return ["fast.jobs.loop", "torch._dynamo", *more]
 
 
 def warm_up() -> None:
-    """Start the fork server now and wait until it has imported what it preloads, so that a launch later forks its
-    workers at once (a standby joiner, `fast join --standby`)."""
-    probe = _context().Process(target=_ready)
-    probe.start()
-    probe.join()
+    """Import here what a worker's process needs before it starts (`_preloaded`), for a launch that forks its workers
+    from this process (`launch(..., fork_here=True)`): a joiner's (`fast join`), whose one import then serves its
+    worker, where a fork server would import it all again (seconds of a core on the joiner's machine)."""
+    for name in _preloaded():
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 _groups: list[int] = []  # the process groups of this launcher's helpers: the fork server's holds every worker
@@ -215,6 +219,7 @@ def launch(
     on_exit: Callable[[int, int | None], None] | None = None,
     goes_on: Callable[[], bool] | None = None,
     together: int = 1,
+    fork_here: bool = False,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
@@ -225,7 +230,9 @@ def launch(
     once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
     started) and says whether its outputs were written; if so the run ended well, whoever died. With `together` = K,
     the processes are replicas of K consecutive ranks (a sharded live run's, fast.runtime.sharded): when one of them
-    ends badly, the others of its replica, which cannot go on without it, are stopped at once."""
+    ends badly, the others of its replica, which cannot go on without it, are stopped at once. With `fork_here`, the
+    processes are forked from this one, which has imported what they need (`warm_up`) and runs no other thread;
+    else from a fork server that has (`_context`)."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -235,7 +242,7 @@ def launch(
     interrupt: KeyboardInterrupt | None = None
     written: bool | None = None
     try:
-        ctx = _context()
+        ctx = mp.get_context("fork") if fork_here else _context()
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"

@@ -274,15 +274,16 @@ class Live:
 
     def _superseded(self) -> str | None:
         """Why a wait in this generation's group should give up: the coordinator has published a newer one without a
-        member of this one (a peer is gone, or one of them found a collective broken), which the members re-form
-        without waiting any longer. One that only adds joiners stops no wait: the group ends what it began (a round
-        whose mean waits for a joiner's state, say) and takes them at its next boundary."""
-        newest = self.member.newest()
-        if newest <= self.generation.number:
-            return None
-        if set(self.generation.members) <= set(self.member.generation(newest).members):
-            return None
-        return f"the membership changed (generation {newest})"
+        member of this one (a peer is gone), or because a member found this one broken (a collective of its failed:
+        it has left this group), which the members re-form without waiting any longer. One that only adds joiners
+        stops no wait: the group ends what it began (a round whose mean waits for a joiner's state, say) and takes
+        them at its next boundary."""
+        mine = set(self.generation.members)
+        for number in range(self.generation.number + 1, self.member.newest() + 1):
+            newer = self.member.generation(number)
+            if newer.broken or not mine <= set(newer.members):
+                return f"the membership changed (generation {number})"
+        return None
 
     # -- at each step ----------------------------------------------------------------------------------------------
     def _membership_boundary(self) -> None:

@@ -82,6 +82,8 @@ class Generation:
     left: list[dict[str, Any]] = field(default_factory=list)
     unix_time: float = 0.0
     failed: str | None = None  # the run cannot go on (fewer than run.min_workers remain): why
+    broken: bool = False  # a member found the generation before broken (a collective of its failed): every wait in
+    # that one gives up, even where this one takes nobody out (`Live._superseded`)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -303,7 +305,7 @@ class Coordinator:
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
         self.members = members
         failed = why_it_ends(members[::k], self.deployment.min_workers, self.needs_worker_0)
-        self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed))
+        self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed, suspected))
 
     def _departures(self, store: Any) -> list[dict[str, Any]]:
         """The members that have gone (as read through `store`): how each went, and when churn told it to go
@@ -400,6 +402,7 @@ class Member:
         self._ending = False  # worker 0 has ended, as the heartbeat last read it
         self._figures: Callable[[], dict[str, Any]] | None = None
         self._group_connection: RunStore | None = None
+        self._generations: dict[int, Generation] = {}
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
         self._beats.start()
 
@@ -432,7 +435,10 @@ class Member:
         return int(self.store.get(PREFIX + "generation"))
 
     def generation(self, number: int) -> Generation:
-        return Generation.from_json(self.store.get(PREFIX + f"generation/{number}"))
+        """Generation `number` (published once, never changed: read from the store once)."""
+        if number not in self._generations:
+            self._generations[number] = Generation.from_json(self.store.get(PREFIX + f"generation/{number}"))
+        return self._generations[number]
 
     def wait_for(self, after: int, *, including: int | None = None) -> Generation:
         """The first generation newer than `after` (that has `including` among its members, if given)."""

@@ -54,12 +54,12 @@ class SimulatedMembership:
     def newest(self) -> Generation:
         return self.generations[-1]
 
-    def publish(self, joined: list[int] = (), left: list[dict[str, Any]] = ()) -> None:  # type: ignore[assignment]
+    def publish(self, joined: list[int] = (), left: list[dict[str, Any]] = (), broken: bool = False) -> None:  # type: ignore[assignment]
         gone = {entry["member"] for entry in left}
         members = [m for m in self.newest.members if m not in gone] + list(joined)
         failed = why_it_ends(members, self.deployment.min_workers)
         number = len(self.generations)
-        self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed))
+        self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed, broken))
         self.wake_all()
 
     def settle(self, number: int, formed: bool) -> None:
@@ -182,7 +182,7 @@ class SimulatedMember:
         membership = self.membership
         if generation == membership.newest.number:
             gone = [{"member": m, "how": "gone"} for m in membership.newest.members if m in membership.wire.gone]
-            membership.publish(left=gone)
+            membership.publish(left=gone, broken=True)
 
     def stopping(self) -> bool:
         return False  # a simulated run is one process: nothing outside it asks it to stop

@@ -7,9 +7,10 @@ one of them ends badly the others are stopped at once, and the run is told the r
     fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
     fast join RUN_DIR --standby                         warm: ready now, it joins when a line comes on its stdin
 
-A standby joiner does everything that takes time before it asks to be admitted (the imports, the config, a fork
-server that has imported torch and the loop), so that it takes part within a second or two of its line: churn keeps
-one (fast.runtime.churn), and so may a user who wants a spare. End of input without a line: it leaves, unadmitted.
+A joiner's worker processes are forked from it, once it has imported torch and the loop (one import, where a fork
+server would make a second). A standby joiner does everything that takes time before it asks to be admitted (the
+imports, the config), so that it takes part within a second or two of its line: churn keeps one
+(fast.runtime.churn), and so may a user who wants a spare. End of input without a line: it leaves, unadmitted.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def join(
     if not job.run.live:
         raise ConfigError("fast join: the config is not a live run's (run.membership = 'fixed'): nothing can join it")
     access = Access.parse(address, read_secret("fast join", Path(token_file)))
+    warm_up()
     if standby:
-        warm_up()
         print("fast: standby joiner ready: a line on stdin joins the run", flush=True)
         if not sys.stdin.readline():
             return None
@@ -79,5 +80,5 @@ def join(
     addr, shards = access.host, job.run.shards
     threads = job.run.threads_per_worker or 1
     launch(train_worker, shards, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
-           extra_env=environment, on_exit=ended, together=shards)  # fmt: skip
+           extra_env=environment, on_exit=ended, together=shards, fork_here=True)  # fmt: skip
     return member
