@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fast.comm import bootstrap as engine
 from fast.errors import CommError, ConfigError, FastError
-from fast.interrupts import Stopped, held_interrupts, how_interrupted
+from fast.interrupts import TERMINATION_SIGNALS, Stopped, held_interrupts, how_interrupted
 from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
 
 PRELOAD_VARIABLE = "FAST_PRELOAD"  # more modules the fork server imports once ("sklearn.datasets,transformers")
@@ -94,11 +94,14 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
     plain pickle copies tensors, where multiprocessing's own would share them through descriptors that vanish when
     this process exits: a local pipe between our own processes, not the wire)."""
     _die_with_parent()
+    for number in TERMINATION_SIGNALS:  # a handler of its launcher's (it was forked from it): as a new process has
+        if callable(signal.getsignal(number)):  # (one the launcher ignores, under nohup say, stays ignored)
+            signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
     name_process(f"fast worker {rank}")
     os.environ.clear()
     os.environ.update(env)
     watch_launcher()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops everyone
     try:
         result.send_bytes(pickle.dumps(fn(*args)))
     except SystemExit as e:  # a server's end (fast.init), or a script's sys.exit

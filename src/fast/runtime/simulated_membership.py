@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class SimulatedMembership:
     def newest(self) -> Generation:
         return self.generations[-1]
 
-    def publish(self, joined: list[int] = (), left: list[dict[str, Any]] = (), broken: bool = False) -> None:  # type: ignore[assignment]
+    def publish(self, joined: Sequence[int] = (), left: Sequence[dict[str, Any]] = (), broken: bool = False) -> None:
         gone = {entry["member"] for entry in left}
         members = [m for m in self.newest.members if m not in gone] + list(joined)
         failed = why_it_ends(members, self.deployment.min_workers)
