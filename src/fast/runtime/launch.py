@@ -23,6 +23,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -89,11 +90,16 @@ def name_process(title: str) -> None:
         pass
 
 
-def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, result: Any) -> None:
+def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, result: Any, forked_here: bool) -> None:
     """A process of the run: `fn(*args)`, its value or its failure sent through `result` (this process's pipe;
     plain pickle copies tensors, where multiprocessing's own would share them through descriptors that vanish when
-    this process exits: a local pipe between our own processes, not the wire)."""
-    _die_with_parent()
+    this process exits: a local pipe between our own processes, not the wire). One `forked_here`, from its launcher,
+    goes into a process group of its own, as a fork server's are in theirs, and dies with the launcher through its
+    lifeline alone (which first removes the run's scratch files); one of a fork server's dies with the server."""
+    if forked_here:
+        os.setpgid(0, 0)
+    else:
+        _die_with_parent()
     for number in TERMINATION_SIGNALS:  # a handler of its launcher's (it was forked from it): as a new process has
         if callable(signal.getsignal(number)):  # (one the launcher ignores, under nohup say, stays ignored)
             signal.signal(number, signal.SIG_DFL)
@@ -165,11 +171,29 @@ def _preloaded() -> list[str]:
 
 def warm_up() -> None:
     """Import here what a worker's process needs before it starts (`_preloaded`), for a launch that forks its workers
-    from this process (`launch(..., fork_here=True)`): a joiner's (`fast join`), whose one import then serves its
-    worker, where a fork server would import it all again (seconds of a core on the joiner's machine)."""
+    from this process (`_workers_context`): their one import, where a fork server would make a second (seconds of a
+    core per run); a standby joiner's, before it is given its line."""
     for name in _preloaded():
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+
+
+def _may_fork_here() -> bool:
+    """Whether this process may fork its workers itself: it runs no other Python thread (a fork copies the caller's
+    alone, and a lock another held stays held in the child), has not started CUDA (which a forked child cannot use)
+    and has not imported JAX (whose threads a fork breaks). The CLI's launcher of a fixed run, and a joiner's, may; a
+    notebook's, or one whose live membership serves the run's store, may not."""
+    return threading.active_count() == 1 and not torch.cuda.is_initialized() and "jax" not in sys.modules
+
+
+def _workers_context() -> Any:
+    """Where a launch's processes come from: this process, forked once it has imported what they need, where it may
+    (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the launcher."""
+    if _may_fork_here():
+        warm_up()
+        _pause_with_the_terminal()
+        return mp.get_context("fork")
+    return _context()
 
 
 _groups: list[int] = []  # the process groups of this launcher's helpers: the fork server's holds every worker
@@ -222,7 +246,6 @@ def launch(
     on_exit: Callable[[int, int | None], None] | None = None,
     goes_on: Callable[[], bool] | None = None,
     together: int = 1,
-    fork_here: bool = False,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
@@ -233,9 +256,8 @@ def launch(
     once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
     started) and says whether its outputs were written; if so the run ended well, whoever died. With `together` = K,
     the processes are replicas of K consecutive ranks (a sharded live run's, fast.runtime.sharded): when one of them
-    ends badly, the others of its replica, which cannot go on without it, are stopped at once. With `fork_here`, the
-    processes are forked from this one, which has imported what they need (`warm_up`) and runs no other thread;
-    else from a fork server that has (`_context`)."""
+    ends badly, the others of its replica, which cannot go on without it, are stopped at once. The processes are
+    forked from this one where it may, else from a fork server (`_workers_context`)."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -245,7 +267,7 @@ def launch(
     interrupt: KeyboardInterrupt | None = None
     written: bool | None = None
     try:
-        ctx = mp.get_context("fork") if fork_here else _context()
+        ctx = _workers_context()
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"
@@ -268,11 +290,17 @@ def launch(
             env = {**os.environ, **{k: v for k, v in env.items() if v}}
             reader, writer = ctx.Pipe(duplex=False)  # a pipe per process: no lock, nothing in /dev/shm
             results[reader] = rank
-            proc = ctx.Process(target=_child, args=(fn, rank, env, args, writer), name=f"fast-worker-{rank}")
+            forked_here = ctx.get_start_method() == "fork"
+            proc = ctx.Process(target=_child, args=(fn, rank, env, args, writer, forked_here),
+                               name=f"fast-worker-{rank}")  # fmt: skip
             try:
                 with held_interrupts():  # a process half started could be neither stopped nor left to run
                     proc.start()
                     procs.append(proc)
+                    if forked_here:  # (its group made here too: the terminal's next signal may come before its own)
+                        with contextlib.suppress(OSError):
+                            os.setpgid(proc.pid, proc.pid)
+                        _groups.append(proc.pid)
             finally:
                 writer.close()  # the process has its own copy
         pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
@@ -314,6 +342,7 @@ def launch(
         interrupt = e
     finally:
         _stop(procs)
+        _groups[:] = [group for group in _groups if group not in {proc.pid for proc in procs}]
         remove_scratch(scratch)
         outputs.update(_drain(results))  # what the last ones said while they were stopped
         for reader in results:
