@@ -38,7 +38,7 @@ from fast.errors import CommError, ConfigError, FastError
 from fast.interrupts import TERMINATION_SIGNALS, Stopped, held_interrupts, how_interrupted
 from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
 
-PRELOAD_VARIABLE = "FAST_PRELOAD"  # more modules the fork server imports once ("sklearn.datasets,transformers")
+PRELOAD_VARIABLE = "FAST_PRELOAD"  # more modules imported once before workers fork ("sklearn.datasets,transformers")
 GRACE_S = 5.0  # seconds a stopped worker gets to exit before it is killed
 SETTLE_S = 3.0  # seconds the others get to report after a first failure
 SURVIVOR_GRACE_S = 10.0  # seconds the survivors get to exit once rank 0 has ended a run that survives failures
@@ -181,22 +181,24 @@ def warm_up() -> None:
 def _may_fork_here() -> bool:
     """Whether this process may fork its workers itself: it runs no other Python thread (a fork copies the caller's
     alone, and a lock another held stays held in the child), has not started CUDA (which a forked child cannot use)
-    and has not imported JAX (whose threads a fork breaks). The CLI's launcher of a fixed run, and a joiner's, may; a
-    notebook's, or one whose live membership serves the run's store, may not."""
+    and has not imported JAX (whose threads a fork breaks). Threads of native code it cannot see (a Rust runtime's:
+    torchft's lighthouse, which a child forked from a test's process crashed on), so only a process that knows what
+    it has imported asks (`fork_here`): `fast join`'s."""
     return threading.active_count() == 1 and not torch.cuda.is_initialized() and "jax" not in sys.modules
 
 
-def _workers_context() -> Any:
-    """Where a launch's processes come from: this process, forked once it has imported what they need, where it may
-    (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the launcher."""
-    if _may_fork_here():
+def _workers_context(fork_here: bool) -> Any:
+    """Where a launch's processes come from: this process, forked once it has imported what they need, where it asks
+    to and may (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the
+    launcher."""
+    if fork_here and _may_fork_here():
         warm_up()
         _pause_with_the_terminal()
         return mp.get_context("fork")
     return _context()
 
 
-_groups: list[int] = []  # the process groups of this launcher's helpers: the fork server's holds every worker
+_groups: list[int] = []  # this launcher's process groups: its fork server's (every worker's), or each worker's own
 
 
 def _spawn_in_a_group_of_its_own(path: str, args: list[str], passfds: tuple[int, ...]) -> int:
@@ -246,6 +248,7 @@ def launch(
     on_exit: Callable[[int, int | None], None] | None = None,
     goes_on: Callable[[], bool] | None = None,
     together: int = 1,
+    fork_here: bool = False,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
@@ -256,8 +259,8 @@ def launch(
     once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
     started) and says whether its outputs were written; if so the run ended well, whoever died. With `together` = K,
     the processes are replicas of K consecutive ranks (a sharded live run's, fast.runtime.sharded): when one of them
-    ends badly, the others of its replica, which cannot go on without it, are stopped at once. The processes are
-    forked from this one where it may, else from a fork server (`_workers_context`)."""
+    ends badly, the others of its replica, which cannot go on without it, are stopped at once. With `fork_here`, the
+    processes are forked from this one where it may, else from a fork server (`_workers_context`)."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -267,7 +270,7 @@ def launch(
     interrupt: KeyboardInterrupt | None = None
     written: bool | None = None
     try:
-        ctx = _workers_context()
+        ctx = _workers_context(fork_here)
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"
