@@ -695,14 +695,14 @@ class Live:
         (incoming, source_id, began), kept, _ = self._cut
         return [source_id, began, incoming.received, len(kept)]
 
-    def _lines_resumed(self, world: Any, rows: torch.Tensor, behind: list[int], sources: list[int],
+    def _lines_resumed(self, world: Any, rows: torch.Tensor, ids: list[int], behind: list[int], sources: list[int],
                        step: int) -> dict[int, int]:  # fmt: skip
         """The joiners (of `behind`) whose cut line goes on where it was cut, and the source of each: they stand at
         `step` as the others, the source that sent it is one of `sources`, still holds what it sent, and has applied
         since exactly as many steps or round means as the joiner kept (a round that went through on one and not on
         the other would leave them unlike). Collective: a source says which of its lines it can go on with."""
         cut = rows[:, HealRow.CUT_SOURCE :].tolist()  # (a line's source id, generation, bytes in, kept count)
-        sources_by_id = {int(rows[s, HealRow.ID]): s for s in sources}
+        sources_by_id = {ids[s]: s for s in sources}
         candidates = [m for m in behind if int(rows[m, HealRow.NEW]) == HealRow.EMPTY
                       and int(rows[m, HealRow.STEP]) == step and cut[m][0] in sources_by_id]  # fmt: skip
         if not candidates:
@@ -711,7 +711,7 @@ class Live:
         holds = []
         for m in candidates:
             source, generation, received, kept = cut[m]
-            snapshot = self._snapshots.get(int(rows[m, HealRow.ID])) if sources_by_id[source] == me else None
+            snapshot = self._snapshots.get(ids[m]) if sources_by_id[source] == me else None
             holds.append(
                 snapshot is not None
                 and snapshot.generation == generation
@@ -774,7 +774,7 @@ class Live:
         # line the last re-form cut, which go on with it, from the source that sent it, for the rest of the round
         step = int(rows[first, HealRow.STEP])
         until, until_resumed = self._sits_out_from(step), self._sits_out_from(step, resuming=True)
-        source_of = {} if until_resumed is None else self._lines_resumed(world, rows, behind, sources, step)
+        source_of = {} if until_resumed is None else self._lines_resumed(world, rows, ids, behind, sources, step)
         resuming = list(source_of)
         others = [m for m in behind if m not in source_of]
         source_of |= {member: sources[j % len(sources)] for j, member in enumerate(others)}
