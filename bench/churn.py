@@ -20,7 +20,9 @@ mean perplexity with churn to its mean without. Target: the periodic family (loc
 comes back after a mean absence of `--absence`); its goodput is the samples trained per member-second present (a
 member is present from the generation it enters to the one that leaves it out: a dead member counts until it is
 found gone, a joiner from when it takes part). On a machine of few cores fewer members each step faster, which
-flatters churn; so the steady run it is held against has the churned run's mean members (rounded), for as long.
+flatters churn; so the steady run it is held against has the churned run's mean members (rounded), for
+`--steady-time` seconds; one steady run per strategy and member count serves every seed (a seed changes the data's
+order and the first weights, not a step's work).
 Target: churned / steady >= 0.9 per member-second. Each failure's recovery: the seconds from the churn driver's order to
 leave (summary `membership`, `left`: `evicted_unix_time`; the member dies within a heartbeat, 0.5 s) to the first
 generation without it formed and healed (its `unix_time`: the survivors take their next step together), the periodic
@@ -221,20 +223,26 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
     if args.failure_every is None:
         raise SystemExit("bench/churn.py --goodput needs --failure-every SECONDS (a failure every 15 s: 15)")
     draws = (args.failure_every * args.workers, args.absence)
-    rows = []
+    rows, pairs, steady_runs = [], [], {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for strategy in args.strategies:
             churned = one_run(args.out / f"{strategy}-churn-seed{seed}", strategy, seed, args.workers, args.time,
                               draws, network)  # fmt: skip
-            members = max(1, round(churned["member_s"] / churned["train_s"]))
-            steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members,
-                             args.steady_time or args.time, None, network)  # fmt: skip
             churned["recovery_median_max_s"] = median_and_max(churned["recovery_s"])
             churned["lost_member_s"] = time_lost(churned)
-            for row in (churned, steady):
+            members = max(1, round(churned["member_s"] / churned["train_s"]))
+            steady = steady_runs.get((strategy, members))
+            new_rows = [churned]
+            if steady is None:  # one per strategy and members: the seed changes the data's order, not a step's work
+                steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members,
+                                 args.steady_time or args.time, None, network)  # fmt: skip
+                steady_runs[strategy, members] = steady
+                new_rows.append(steady)
+            for row in new_rows:
                 row["goodput"] = row["samples"] / row["member_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            pairs.append((churned, steady))
     (args.out / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"\nfailures every {args.failure_every:g} s on average (each member's mean stay "
           f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a churned run, "
@@ -243,17 +251,17 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
           f" {'min-max':<11} {'recovery s median/max (n)':>26}  {'idle share: re-form/sit out/dead':>32}")  # fmt: skip
     met = True
     for strategy in args.strategies:
-        pairs = [(c, s) for c, s in zip(rows[::2], rows[1::2], strict=True) if c["strategy"] == strategy]
-        ratios = [c["goodput"] / s["goodput"] for c, s in pairs]
+        ours = [(c, s) for c, s in pairs if c["strategy"] == strategy]
+        ratios = [c["goodput"] / s["goodput"] for c, s in ours]
         met = met and statistics.mean(ratios) >= GOODPUT_TARGET
         spread = f"{min(ratios):.3f}-{max(ratios):.3f}" if len(ratios) > 1 else ""
-        print(f"{strategy:<10} {statistics.mean(c['leaves'] for c, _ in pairs):>9.1f}"
-              f" {statistics.mean(c['member_s'] / c['train_s'] for c, _ in pairs):>8.2f}"
-              f" {statistics.mean(c['goodput'] for c, _ in pairs):>10.1f}"
-              f" {statistics.mean(s['goodput'] for _, s in pairs):>9.1f}"
+        print(f"{strategy:<10} {statistics.mean(c['leaves'] for c, _ in ours):>9.1f}"
+              f" {statistics.mean(c['member_s'] / c['train_s'] for c, _ in ours):>8.2f}"
+              f" {statistics.mean(c['goodput'] for c, _ in ours):>10.1f}"
+              f" {statistics.mean(s['goodput'] for _, s in ours):>9.1f}"
               f" {statistics.mean(ratios):>6.3f} {spread:<11}"
-              f" {median_and_max([s for c, _ in pairs for s in c['recovery_s']]):>26}"
-              f"  {idle_shares(pairs):>32}")  # fmt: skip
+              f" {median_and_max([s for c, _ in ours for s in c['recovery_s']]):>26}"
+              f"  {idle_shares(ours):>32}")  # fmt: skip
     print(f"\nsamples per member-second, churned / steady >= {GOODPUT_TARGET}: {'met' if met else 'NOT met'}")
     return 0
 
