@@ -2,7 +2,7 @@
 failure rate of bench/churn.py, and the papers' questions at 8 to 128 workers.
 
     .venv/bin/python bench/sim_scale.py [--workers 256 512 1024] [--epochs 1] [--sections scale churn figures]
-                                        [--only NAME] [--failure-every 15] [--absence 3] [--churn-time 150]
+                                        [--only NAME] [--failure-every 15 | --stay 120] [--absence 3] [--churn-time 150]
                                         [--churn-strategies sync local-sgd] [--repeat] [--reports DIR] [--out FILE]
 
 Fashion-MNIST, LeNet-5, batch 16 per worker, SGD (lr 0.05, momentum 0.9), links of 100 Mbit/s and 5 ms, a step charged
@@ -18,8 +18,9 @@ peak memory is its own.
 - `churn`: at the largest worker count, live `sync` and `local-sgd` (period 4; `--churn-strategies` may add `diloco`,
   period 4, or `gossip`), each for `--churn-time` virtual seconds (`run.max_time`), without churn and with `[faults]
   churn` at the failure rate of bench/churn.py: a failure of the run every `--failure-every` virtual seconds on
-  average (each worker, worker 0 too, stays an exponential time of mean that times the workers; never the last), each
-  leaver replaced by a new worker after an exponential absence of mean `--absence`. Goodput, as the issue defines it:
+  average (each worker, worker 0 too, stays an exponential time of mean that times the workers; never the last), or
+  each worker's mean stay `--stay` (bench/churn.py's per worker: 120 s), each leaver replaced by a new worker after an
+  exponential absence of mean `--absence`. Goodput, as the issue defines it:
   samples trained per member-second present, churned over steady. A member is present while it is in a formed
   generation (from the generation's forming to the next one's): a leaver counts until the members re-form without it
   (the stall it causes is churn's cost), a joiner from the generation that took it in. Compute is virtual and charged
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--only", help="scale: only the variants whose name contains this, e.g. async-ps")
     parser.add_argument("--failure-every", type=float, default=15.0, help="churn: mean virtual s between failures")
+    parser.add_argument("--stay", type=float, help="churn: each worker's mean stay (virtual s), for --failure-every: "
+                        "bench/churn.py's is 120 (a failure every 15 s across 8 workers)")  # fmt: skip
     parser.add_argument("--absence", type=float, default=3.0, help="churn: mean virtual seconds before a replacement")
     parser.add_argument("--churn-time", type=float, default=150.0, help="churn: virtual seconds of training per run")
     parser.add_argument("--churn-strategies", nargs="+", choices=list(CHURN_STRATEGIES), default=["sync", "local-sgd"])
@@ -199,8 +202,9 @@ def scale(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def churn(args: argparse.Namespace) -> list[dict[str, Any]]:
-    workers, every = max(args.workers), args.failure_every
-    lifetime = every * workers  # the run loses a member every `every` seconds on average
+    workers = max(args.workers)
+    lifetime = args.stay or args.failure_every * workers  # the run loses a member every `every` s on average
+    every = lifetime / workers
     print(f"\nchurn at {workers} workers: a failure every {every:g} virtual s on average (each worker's mean stay "
           f"{lifetime:g} s), mean absence {args.absence:g} s, {args.churn_time:g} virtual s of training per run\n",
           flush=True)  # fmt: skip
