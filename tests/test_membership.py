@@ -640,6 +640,25 @@ def test_a_generation_a_member_found_broken_ends_every_wait_in_it(tmp_path):
         coordinator.close()
 
 
+def test_forming_a_group_gives_up_once_a_newer_generation_replaces_the_one_it_forms(tmp_path):
+    """Members forming a generation's group wait on the run's store for each other's addresses: once a newer
+    generation replaces it (a member died between arriving and forming), the wait gives up then, not after FORM_S
+    (10 s, every member idle, a few times a minute under churn)."""
+    parts = resolve({"run": {"workers": 2, "membership": "live"}, "data": {"name": "digits"}, "model": {"name": "mlp"}})
+    coordinator = Coordinator(tmp_path, parts.config, parts.deployment, "127.0.0.1")
+    member = Member(coordinator.access, 1, 5.0)
+    try:
+        forming = object.__new__(Live)
+        forming.member, forming.generation = member, member.generation(0)
+        store = member.group_store(forming.generation, forming._superseded)
+        member.suspect(0)
+        with pytest.raises(RuntimeError, match=r"gave up waiting for .*the membership changed \(generation 1\)"):
+            store.get("the address of a member that never comes")
+    finally:
+        member.close()
+        coordinator.close()
+
+
 def _records(run: Path, member: int, kind: str) -> list[dict]:
     path = run / "workers" / f"metrics-{member}.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []

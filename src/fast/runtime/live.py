@@ -248,8 +248,9 @@ class Live:
         network = None if self.simulated else network_for(self.config, n, rank)
         self.generation, self._answered, self._switch_waits = generation, None, False
         try:
-            world = self.member.form(generation, self.device, self.config.run.deadline_s, counter,
-                                     comm_maker(network, self.config.run.allreduce_piece_kb))  # fmt: skip
+            make_comm = comm_maker(network, self.config.run.allreduce_piece_kb)
+            world = self.member.form(generation, self.device, self.config.run.deadline_s, counter, make_comm,
+                                     self._superseded)  # fmt: skip
             world.interrupted, world.connect_s = self._superseded, FORM_S
             world.key = f"generation{generation.number}"  # (fast.comm.arrivals: the same on every member)
             control = world.subgroups([world.ranks], gloo=True)

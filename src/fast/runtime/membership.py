@@ -479,21 +479,23 @@ class Member:
                 continue
             return self.store.compare_set(settled, "", outcome) == b"formed"
 
-    def group_store(self, generation: Generation) -> Any:
+    def group_store(self, generation: Generation, interrupted: Callable[[], str | None] | None = None) -> Any:
         """The store `generation`'s group forms on: its own prefix, and a connection whose waits give up after
-        FORM_S (a member that died between arriving and forming does not hold the others up for a deadline)."""
+        FORM_S, or as soon as `interrupted()` says why (a member that died between arriving and forming does not
+        hold the others up: the generation without it is published meanwhile)."""
         if self._group_connection is not None:  # the last group's: aborted before a new one forms
             self._group_connection.close()
         self._group_connection = connect(self.access, min(self.deadline_s, FORM_S))
+        self._group_connection.interrupted = interrupted
         return self._group_connection.for_group(PREFIX + f"group/{generation.number}/")
 
-    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
-             make_comm: Any) -> Comm:  # fmt: skip
+    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any, make_comm: Any,
+             interrupted: Callable[[], str | None] | None = None) -> Comm:  # fmt: skip
         """This member's Comm over `generation`'s group (collective over its members; RuntimeError if one
-        does not come within FORM_S)."""
+        does not come within FORM_S, or once `interrupted()` says why)."""
         n, rank = len(generation.members), generation.members.index(self.id)
-        return engine.start_group(self.group_store(generation), rank, n, device, deadline_s, counter, make_comm,
-                                  FORM_S)  # fmt: skip
+        return engine.start_group(self.group_store(generation, interrupted), rank, n, device, deadline_s, counter,
+                                  make_comm, FORM_S)  # fmt: skip
 
     def suspect(self, generation: int) -> None:
         """A collective of this member's in `generation` failed: ask the coordinator to form it again, unless a

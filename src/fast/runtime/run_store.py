@@ -27,6 +27,8 @@ import socket
 import struct
 import sys
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +41,7 @@ HANDSHAKE_S = 5.0  # the longest a connection may take to prove the secret
 MAX_CONNECTIONS = 4096  # open at once; beyond, a new connection is closed at once
 MAX_HANDSHAKES = 64  # connections that have not proved the secret yet, at once
 MAX_FRAME = 16 << 20  # one message's bytes: keys and values are small (ids, JSON, gloo's addresses)
+INTERRUPT_POLL_S = 0.25  # an interruptible wait asks the server for this long at a time
 _LENGTH = struct.Struct("!I")
 _SEQUENCE = struct.Struct("!Q")
 
@@ -289,10 +292,17 @@ def _bytes(value: Any) -> bytes:
 _held: set[RunStore] = set()  # connections torch's groups stand on (RunStore.for_group)
 
 
+class TimedOut(dist.DistStoreError):
+    """A wait of the run's store passed its timeout."""
+
+
 class RunStore(dist.Store):
     """A connection to the run's store at (`host`, `port`), proved with `secret`; its waits give up after `timeout_s`
     and connecting after `connect_s` (at most `timeout_s`). Raises Refused when the other side is not the run's store
-    or does not take the secret, and DistNetworkError when nothing answers."""
+    or does not take the secret, and DistNetworkError when nothing answers. With `interrupted` set (a live group's
+    connection, fast.runtime.membership), a wait also gives up as soon as `interrupted()` says why."""
+
+    interrupted: Callable[[], str | None] | None = None
 
     def __init__(self, host: str, port: int, secret: bytes, timeout_s: float, connect_s: float | None = None) -> None:
         super().__init__()
@@ -357,19 +367,32 @@ class RunStore(dist.Store):
         if not answer or answer[0] == BAD:
             raise dist.DistStoreError("the run's store refused a malformed operation")
         if answer[0] == TIMEOUT:
-            raise dist.DistStoreError(f"timed out after {self.timeout.total_seconds():g}s waiting for {waiting}")
+            raise TimedOut(f"timed out waiting for {waiting}")
         return _parse(answer, 1)
 
-    def _ms(self, timeout: timedelta | None) -> bytes:
+    def _wait(self, op: int, timeout: timedelta | None, *fields: bytes, waiting: str) -> list[bytes]:
+        """`op`, which waits for keys, giving up after `timeout` (default the store's), or with `interrupted` as soon
+        as it says why (asking the server INTERRUPT_POLL_S at a time)."""
         seconds = (timeout if timeout is not None else self.timeout).total_seconds()
-        return str(max(0, int(seconds * 1000))).encode()
+        end = time.monotonic() + seconds
+        while True:
+            left = max(0.0, end - time.monotonic())
+            part = left if self.interrupted is None else min(INTERRUPT_POLL_S, left)
+            try:
+                return self._call(op, str(int(part * 1000)).encode(), *fields, waiting=waiting)
+            except TimedOut:
+                if part >= left:
+                    raise TimedOut(f"timed out after {seconds:g}s waiting for {waiting}") from None
+            reason = self.interrupted()
+            if reason is not None:
+                raise dist.DistStoreError(f"gave up waiting for {waiting}: {reason}")
 
     # c10d's Store interface
     def set(self, key: str, value: Any) -> None:
         self._call(SET, key.encode(), _bytes(value))
 
     def get(self, key: str) -> bytes:
-        return self._call(GET, self._ms(None), key.encode(), waiting=key)[0]
+        return self._wait(GET, None, key.encode(), waiting=key)[0]
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(ADD, key.encode(), str(int(amount)).encode())[0])
@@ -381,7 +404,7 @@ class RunStore(dist.Store):
         return self._call(CHECK, *(k.encode() for k in keys))[0] == b"1"
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._call(WAIT, self._ms(timeout), *(k.encode() for k in keys), waiting=", ".join(keys))
+        self._wait(WAIT, timeout, *(k.encode() for k in keys), waiting=", ".join(keys))
 
     def delete_key(self, key: str) -> bool:
         return self._call(DELETE, key.encode())[0] == b"1"
@@ -393,7 +416,7 @@ class RunStore(dist.Store):
         self._call(APPEND, key.encode(), _bytes(value))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call(MULTI_GET, self._ms(None), *(k.encode() for k in keys), waiting=", ".join(keys))
+        return self._wait(MULTI_GET, None, *(k.encode() for k in keys), waiting=", ".join(keys))
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._call(MULTI_SET, *(part for k, v in zip(keys, values, strict=True) for part in (k.encode(), _bytes(v))))
