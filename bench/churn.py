@@ -20,9 +20,9 @@ mean perplexity with churn to its mean without. Target: the periodic family (loc
 comes back after a mean absence of `--absence`); its goodput is the samples trained per member-second present (a
 member is present from the generation it enters to the one that leaves it out: a dead member counts until it is
 found gone, a joiner from when it takes part). On a machine of few cores fewer members each step faster, which
-flatters churn; so the steady run it is held against has the churned run's mean members (rounded), for
-`--steady-time` seconds; one steady run per strategy and member count serves every seed (a seed changes the data's
-order and the first weights, not a step's work).
+flatters churn; so it is held against the steady rate at the churned run's mean members, interpolated between steady
+runs of the whole counts on either side (7 and 8 for a mean of 7.4), each `--steady-time` seconds; one steady run per
+strategy and count serves every seed (a seed changes the data's order and the first weights, not a step's work).
 Target: churned / steady >= 0.9 per member-second. Each failure's recovery: the seconds from the churn driver's order to
 leave (summary `membership`, `left`: `evicted_unix_time`; the member dies within a heartbeat, 0.5 s) to the first
 generation without it formed and healed (its `unix_time`: the survivors take their next step together), the periodic
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -219,30 +220,41 @@ def main() -> int:
 
 
 def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
-    """Per strategy and seed, a churned run then a steady one at its mean members; their samples per member-second."""
+    """Per strategy and seed, a churned run, held against the steady rate at its mean members (`steady_rate`, once per
+    strategy and count); their samples per member-second."""
     if args.failure_every is None:
         raise SystemExit("bench/churn.py --goodput needs --failure-every SECONDS (a failure every 15 s: 15)")
     draws = (args.failure_every * args.workers, args.absence)
-    rows, pairs, steady_runs = [], [], {}
+    rows: list[dict] = []
+    steady_runs: dict[tuple[str, int], dict] = {}
+
+    def steady_rate(strategy: str, members: int, seed: int) -> float:
+        """Samples per member-second of a steady run of `members`, one per strategy and count (a seed changes the
+        data's order and the first weights, not a step's work)."""
+        if (strategy, members) not in steady_runs:
+            steady = one_run(args.out / f"{strategy}-steady-{members}", strategy, seed, members,
+                             args.steady_time or args.time, None, network)  # fmt: skip
+            steady["goodput"] = steady["samples"] / steady["member_s"]
+            steady_runs[strategy, members] = steady
+            rows.append(steady)
+            print(json.dumps(steady), flush=True)
+        return steady_runs[strategy, members]["goodput"]
+
+    pairs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for strategy in args.strategies:
             churned = one_run(args.out / f"{strategy}-churn-seed{seed}", strategy, seed, args.workers, args.time,
                               draws, network)  # fmt: skip
             churned["recovery_median_max_s"] = median_and_max(churned["recovery_s"])
             churned["lost_member_s"] = time_lost(churned)
-            members = max(1, round(churned["member_s"] / churned["train_s"]))
-            steady = steady_runs.get((strategy, members))
-            new_rows = [churned]
-            if steady is None:  # one per strategy and members: the seed changes the data's order, not a step's work
-                steady = one_run(args.out / f"{strategy}-steady-seed{seed}", strategy, seed, members,
-                                 args.steady_time or args.time, None, network)  # fmt: skip
-                steady_runs[strategy, members] = steady
-                new_rows.append(steady)
-            for row in new_rows:
-                row["goodput"] = row["samples"] / row["member_s"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            pairs.append((churned, steady))
+            churned["goodput"] = churned["samples"] / churned["member_s"]
+            rows.append(churned)
+            print(json.dumps(churned), flush=True)
+            # the steady rate at the churned run's mean members, between the whole counts on either side
+            members = max(1.0, churned["member_s"] / churned["train_s"])
+            low, high = math.floor(members), math.ceil(members)
+            below, above = steady_rate(strategy, low, seed), steady_rate(strategy, high, seed)
+            pairs.append((churned, {"goodput": below + (members - low) * (above - below)}))
     (args.out / "goodput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"\nfailures every {args.failure_every:g} s on average (each member's mean stay "
           f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a churned run, "
