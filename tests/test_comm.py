@@ -320,3 +320,23 @@ def test_a_shared_memory_sum_with_a_silent_peer_ends_at_its_deadline(no_orphans)
         run_distributed(_peer_silent_before_summing, 2, deadline_s=2.0)
     waited = float(str(e.value).split("after ")[1].split("s:")[0])
     assert 2.0 <= waited < 2.0 + 3.0
+
+
+def _a_payload_from_a_silent_peer(comm: Comm) -> str | None:
+    if comm.rank == 0:  # (sends nothing, and stays until the other has given up)
+        time.sleep(3)
+        return None
+    incoming, asked = comm.irecv_bytes(0, limit=1 << 20), time.monotonic()
+    try:
+        incoming.take(lambda: "the membership changed" if time.monotonic() - asked > 0.5 else None)
+    except CommError as e:
+        return str(e)
+    return "received"
+
+
+def test_a_payload_on_its_way_is_given_up_when_the_membership_changes():
+    """A joiner's state comes behind the steps (`irecv_bytes`); waiting for it gives up once the live group's
+    membership changes: a joiner whose source had stopped sending waited out the whole deadline (60 s), while the
+    others waited for it at the next generation."""
+    out = run_distributed(_a_payload_from_a_silent_peer, 2)
+    assert out[1] == "receiving a payload given up: the membership changed", out[1]

@@ -224,8 +224,15 @@ class IncomingBytes:
         self.thread.join(wait_s)
         return not self.thread.is_alive() and self.payload is not None
 
-    def take(self) -> torch.Tensor:
-        self.thread.join()
+    def take(self, interrupted: Callable[[], str | None] | None = None) -> torch.Tensor:
+        """The payload, once all of it is in; with `interrupted` (a live group's), CommError as soon as it says why
+        (the receive itself goes on until its group is aborted: a backend's receive cannot be waited on again once a
+        wait of it has timed out)."""
+        while self.thread.is_alive():
+            self.thread.join(INTERRUPT_POLL_S if interrupted is not None else None)
+            reason = interrupted() if interrupted is not None and self.thread.is_alive() else None
+            if reason is not None:
+                raise CommError(f"receiving a payload given up: {reason}")
         if self.error is not None:
             raise self.error
         return self.payload

@@ -649,7 +649,7 @@ class Live:
         incoming, source_id, _ = self._coming
         started = timing.now()
         try:
-            state = unpacked(incoming.take())
+            state = unpacked(incoming.take(self._superseded))
         except CommError:
             self._regroup(failed=True)  # (the heal may resume the line where it broke)
             return False
