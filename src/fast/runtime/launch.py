@@ -173,12 +173,9 @@ def warm_up() -> None:
     """Import here what a worker's process needs before it starts (`_preloaded`), for a launch that forks its workers
     from this process (`_workers_context`): their one import, where a fork server would make a second (seconds of a
     core per run); a standby joiner's, before it is given its line."""
-    global _IMPORTED_THREADS
-    before = _threads()
     for name in _preloaded():
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    _IMPORTED_THREADS += _threads() - before  # (a library's BLAS pool, say: a fork server's imports start them too)
 
 
 def _threads() -> int:
@@ -186,20 +183,19 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-# this process's threads that imports started: its own and BLAS's pool once torch is in, and those the preloaded
-# modules start (`warm_up`), as they do in a fork server; not torch's intra-op pool, which its first parallel op
-# starts and which a forked child hangs in (GNU OpenMP)
-_IMPORTED_THREADS = _threads()
+# this process's threads once torch is in: its own, and BLAS's pool that numpy starts (which survives a fork); not
+# torch's intra-op pool, which its first parallel op starts and which a forked child hangs in (GNU OpenMP)
+_THREADS_OF_TORCH = _threads()
 
 
 def _may_fork_here() -> bool:
-    """Whether this process may fork its workers itself: it runs no thread beyond those its imports started (a
+    """Whether this process may fork its workers itself: it runs no thread beyond those it had once torch was in (a
     fork copies the caller's thread alone, and a lock another held stays held in the child: a Rust runtime's,
     torchft's lighthouse, crashed a child forked from a test's process; torch's intra-op pool, once a parallel op has
     started it, hangs a child's first parallel op), has not started CUDA (which a forked child cannot use) and has
     not imported JAX (whose threads a fork breaks). The command line's launcher of a fixed run, and a joiner's, may;
     a notebook's, or one whose live membership serves the run's store, may not."""
-    return (threading.active_count() == 1 and _threads() <= _IMPORTED_THREADS and not torch.cuda.is_initialized()
+    return (threading.active_count() == 1 and _threads() <= _THREADS_OF_TORCH and not torch.cuda.is_initialized()
             and "jax" not in sys.modules)  # fmt: skip
 
 
