@@ -183,18 +183,23 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-# this process's threads once torch is in: its own, and BLAS's pool that numpy starts (which survives a fork); not
-# torch's intra-op pool, which its first parallel op starts and which a forked child hangs in (GNU OpenMP)
-_THREADS_OF_TORCH = _threads()
+def _threads_of_torch() -> int:
+    """This process's threads once torch is in: its own, BLAS's pool (which numpy starts) and torch's intra-op pool,
+    which a parallel op starts here so that it is counted."""
+    torch.ones(1 << 16).add_(1)
+    return _threads()
+
+
+_THREADS_OF_TORCH = _threads_of_torch()
 
 
 def _may_fork_here() -> bool:
-    """Whether this process may fork its workers itself: it runs no thread beyond those it had once torch was in (a
-    fork copies the caller's thread alone, and a lock another held stays held in the child: a Rust runtime's,
-    torchft's lighthouse, crashed a child forked from a test's process; torch's intra-op pool, once a parallel op has
-    started it, hangs a child's first parallel op), has not started CUDA (which a forked child cannot use) and has
-    not imported JAX (whose threads a fork breaks). The command line's launcher of a fixed run, and a joiner's, may;
-    a notebook's, or one whose live membership serves the run's store, may not."""
+    """Whether this process may fork its workers itself: it runs no thread beyond torch's (a fork copies the caller's
+    thread alone, and a lock another held stays held in the child: a Rust runtime's, torchft's lighthouse, crashed a
+    child forked from a test's process), has not started CUDA (which a forked child cannot use) and has not imported
+    JAX (whose threads a fork breaks). The command line's launcher of a fixed run, and a joiner's, may; a notebook's,
+    or one whose live membership serves the run's store, may not. torch's own threads are safe to fork past: its
+    pools start again in the child, as under DataLoader's forked workers."""
     return (threading.active_count() == 1 and _threads() <= _THREADS_OF_TORCH and not torch.cuda.is_initialized()
             and "jax" not in sys.modules)  # fmt: skip
 
