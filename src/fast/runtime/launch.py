@@ -178,36 +178,20 @@ def warm_up() -> None:
             importlib.import_module(name)
 
 
-def _threads() -> int:
-    """This process's threads, native ones included (a Python thread count misses those of a library's runtime)."""
-    return len(os.listdir("/proc/self/task"))
-
-
-def _threads_of_torch() -> int:
-    """This process's threads once torch is in: its own, BLAS's pool (which numpy starts) and torch's intra-op pool,
-    which a parallel op starts here so that it is counted."""
-    torch.ones(1 << 16).add_(1)
-    return _threads()
-
-
-_THREADS_OF_TORCH = _threads_of_torch()
-
-
 def _may_fork_here() -> bool:
-    """Whether this process may fork its workers itself: it runs no thread beyond torch's (a fork copies the caller's
-    thread alone, and a lock another held stays held in the child: a Rust runtime's, torchft's lighthouse, crashed a
-    child forked from a test's process), has not started CUDA (which a forked child cannot use) and has not imported
-    JAX (whose threads a fork breaks). The command line's launcher of a fixed run, and a joiner's, may; a notebook's,
-    or one whose live membership serves the run's store, may not. torch's own threads are safe to fork past: its
-    pools start again in the child, as under DataLoader's forked workers."""
-    return (threading.active_count() == 1 and _threads() <= _THREADS_OF_TORCH and not torch.cuda.is_initialized()
-            and "jax" not in sys.modules)  # fmt: skip
+    """Whether this process may fork its workers itself: it runs no other Python thread (a fork copies the caller's
+    alone, and a lock another held stays held in the child), has not started CUDA (which a forked child cannot use)
+    and has not imported JAX (whose threads a fork breaks). Threads of native code it cannot see (a Rust runtime's:
+    torchft's lighthouse, which a child forked from a test's process crashed on), so only a process that knows what
+    it has imported asks (`fork_here`): `fast join`'s."""
+    return threading.active_count() == 1 and not torch.cuda.is_initialized() and "jax" not in sys.modules
 
 
-def _workers_context() -> Any:
-    """Where a launch's processes come from: this process, forked once it has imported what they need, where it may
-    (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the launcher."""
-    if _may_fork_here():
+def _workers_context(fork_here: bool) -> Any:
+    """Where a launch's processes come from: this process, forked once it has imported what they need, where it asks
+    to and may (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the
+    launcher."""
+    if fork_here and _may_fork_here():
         warm_up()
         _pause_with_the_terminal()
         return mp.get_context("fork")
@@ -264,6 +248,7 @@ def launch(
     on_exit: Callable[[int, int | None], None] | None = None,
     goes_on: Callable[[], bool] | None = None,
     together: int = 1,
+    fork_here: bool = False,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
@@ -274,8 +259,8 @@ def launch(
     once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
     started) and says whether its outputs were written; if so the run ended well, whoever died. With `together` = K,
     the processes are replicas of K consecutive ranks (a sharded live run's, fast.runtime.sharded): when one of them
-    ends badly, the others of its replica, which cannot go on without it, are stopped at once. The processes are
-    forked from this one where it may, else from a fork server (`_workers_context`)."""
+    ends badly, the others of its replica, which cannot go on without it, are stopped at once. With `fork_here`, the
+    processes are forked from this one where it may, else from a fork server (`_workers_context`)."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -285,7 +270,7 @@ def launch(
     interrupt: KeyboardInterrupt | None = None
     written: bool | None = None
     try:
-        ctx = _workers_context()
+        ctx = _workers_context(fork_here)
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"
