@@ -171,8 +171,9 @@ class SimulatedMember:
                 membership.settle(number, formed=False)
         return membership.settled[number]
 
-    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any,
-             make_comm: Any) -> Comm:  # fmt: skip
+    def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any, make_comm: Any,
+             interrupted: Callable[[], str | None] | None = None) -> Comm:  # fmt: skip
+        """(A simulated group forms at once: there is no wait to interrupt.)"""
         wire = self.membership.wire
         return SimComm(wire=wire, group_id=wire.group(("generation", generation.number)), deadline_s=deadline_s,
                        device=device, counter=counter, ranks=list(generation.members), rank=self.id)  # fmt: skip
