@@ -15,7 +15,7 @@ import fast
 from fast.assemble import load_config
 from fast.comm import Comm
 from fast.config import Config
-from fast.errors import CommError, ConfigError
+from fast.errors import ConfigError
 from fast.jobs.models import build_model
 from fast.strategies import Strategy, StrategyContext, build_strategy
 from fast.strategies.flat import FlatState
@@ -176,43 +176,6 @@ def test_diloco_with_a_plain_outer_step_is_local_sgd_and_nesterov_follows_the_pa
     theta0, theta1 = scenarios[0]["theta0"], scenarios[0]["theta1"]
     torch.testing.assert_close(theta1, theta0 - 0.7 * 1.9 * (theta0 - mean), rtol=1e-4, atol=1e-5)
     assert "momentum_buffer" in scenarios[0]["outer_state"][0]
-
-
-def _round_given_up(comm: Comm, name: str) -> dict:
-    """The round after step 3 of `name`, whose members do not all agree on its mean (a live run's agreement raises,
-    as a peer's death inside the mean's all-reduce makes it): what the replica and the strategy hold after it."""
-    seen: dict = {}
-
-    def refused() -> None:
-        raise CommError("a peer died inside the round's mean")
-
-    def refuse_after_step_3(t: int, phase: str, model: torch.nn.Module, strategy: Strategy) -> None:
-        if t == 3 and phase == "before":
-            seen.update(model=model, strategy=strategy, replica=_flat(model).clone())
-            seen["theta"] = strategy.theta.clone() if hasattr(strategy, "theta") else None
-            strategy.on_round_exchanged = refused
-
-    with pytest.raises(CommError):
-        _train(comm, name, period=4, on_step=refuse_after_step_3)
-    strategy = seen["strategy"]
-    theta = strategy.theta if seen["theta"] is not None else None
-    return {"replica_before": seen["replica"], "replica_after": _flat(seen["model"]), "theta_before": seen["theta"],
-            "theta_after": theta, "rounds": getattr(strategy, "averagings", getattr(strategy, "rounds", None)),
-            "means_taken": strategy.means_taken, "sat_out_mean": strategy.sat_out_mean}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", ["local-sgd", "diloco"])
-def test_a_round_its_members_do_not_all_agree_on_is_given_up_with_nothing_applied(name):
-    """A live run's members agree on a round's mean before any applies it (fast.runtime.live): where the agreement
-    fails, every replica and the strategy's state stay as the round found them, so no survivor is unlike the others
-    and none is healed whole at the re-form."""
-    out = run_distributed(_round_given_up, WORKERS, name)
-    for rank in range(WORKERS):
-        torch.testing.assert_close(out[rank]["replica_after"], out[rank]["replica_before"], rtol=0, atol=0)
-        if out[rank]["theta_before"] is not None:
-            torch.testing.assert_close(out[rank]["theta_after"], out[rank]["theta_before"], rtol=0, atol=0)
-        assert out[rank]["rounds"] == 0 and out[rank]["means_taken"] == 0 and out[rank]["sat_out_mean"] is None
-    assert not torch.allclose(out[0]["replica_after"], out[1]["replica_after"])  # (no mean reached them)
 
 
 def test_sync_easgd_exchange_follows_the_elastic_update(scenarios):

@@ -311,8 +311,6 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
             self.driver.on_failure = self._step_failed
             if self.strategy.agrees_before_step:
                 self.driver.on_exchanged = self._agree_on_the_step
-            if hasattr(self.strategy, "on_round_exchanged"):  # (the periodic family: a round's mean)
-                self.strategy.on_round_exchanged = self._agree_on_the_step
         self._schedule_state: dict[str, Any] | None = None
         self._checkpoint_due = False
         self.model: nn.Module | None = None

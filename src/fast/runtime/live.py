@@ -333,21 +333,18 @@ class Live:
         return self.control.round(control.MEMBERSHIP, step, [newer, ending, fresh, waiting, departed], set())
 
     def _agree_on_the_step(self) -> None:
-        """(A strategy that `agrees_before_step`) after the step's exchange, before any member applies it; (the
-        periodic family) after a round's mean is in, before any member applies it: the next step's membership round,
-        taken now (the boundary before that step reads its answer). A member whose exchange failed (a peer died in
-        it) takes no part, so the round fails on every member and every member discards the step or the round's mean
-        (CommError): a kill inside an all-reduce that completed on some survivors and not on others no longer leaves
-        them unlike, to be healed whole at the re-form."""
+        """(A strategy that `agrees_before_step`) after the step's exchange, before any member applies it: the next
+        step's membership round, taken now (the boundary before that step reads its answer). A member whose
+        exchange failed (a peer died in it) takes no part, so the round fails on every member and every member
+        discards the step (CommError): a kill inside an all-reduce that completed on some survivors and not on
+        others no longer leaves them unlike, to be healed whole at the re-form."""
         step = self.step + 1
         if not self.strategy.change_point(step):
             return
         try:
             self._answered = (step, self._membership_round(step), self.driver.samples)
         except CommError:
-            # (a user's loop may do at its step what no replay does; a round's mean given up is not kept: a survivor
-            # that applied it, the round failing in the agreement itself, heals the others whole as before)
-            if self.strategy.agrees_before_step and self.shards == 1 and self.loop_is_fast:
+            if self.shards == 1 and self.loop_is_fast:  # (a user's loop may do at its step what no replay does)
                 self._unagreed = self._as_applied()[0]
             raise
 

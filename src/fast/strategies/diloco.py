@@ -93,9 +93,6 @@ class DiLoCo(PeriodicAveraging):
     def outer_step(self) -> None:
         """Average the pseudo-gradients, step the outer optimizer, and restart every replica from θ."""
         pseudo_gradient = self.theta - self.params.read()
-        buffers = self.buffers.read() if self.buffers.numel else None
-        if buffers is not None:  # (first: a live run's members agree on the round once its exchanges are all done)
-            self.comm.all_reduce(buffers, op="mean")
         if self.eager:
             pseudo_gradient = self._eager(pseudo_gradient)
         elif self.compressed is not None:
@@ -103,7 +100,9 @@ class DiLoCo(PeriodicAveraging):
         elif not self.mean_of_movers(pseudo_gradient):
             return  # every worker's loop has ended: θ stays as it is (its momentum would still move it)
         self._step_theta(pseudo_gradient)
-        if buffers is not None:
+        if self.buffers.numel:
+            buffers = self.buffers.read()
+            self.comm.all_reduce(buffers, op="mean")
             self.buffers.write(buffers)
         self.rounds += 1
         self.last_round_step = self.last_step

@@ -78,8 +78,6 @@ class PeriodicAveraging(Strategy):
         buffer = with_count(tensor, self.moved)
         moved, self.moved = self.moved, False
         self.comm.all_reduce(buffer)
-        if self.on_round_exchanged is not None:
-            self.on_round_exchanged()
         mean = mean_of_counted(buffer, moved)
         self.nobody_contributed = mean is None
         if mean is not None:
@@ -88,9 +86,6 @@ class PeriodicAveraging(Strategy):
         self.sat_out_mean = tensor if mean is not None and not moved else None
         return mean is not None
 
-    # (a live run) after a round's mean is in, before this worker applies it: raises CommError unless every member's
-    # went through, so that a peer's death inside the mean's all-reduce leaves the round given up by all or by none
-    on_round_exchanged: Callable[[], None] | None = None
     # a joiner may sit out rounds while its state comes (`sits_out_from`); one whose state is not in at a round's
     # mean keeps what the mean gave (`sat_out_mean`), and applies it with `replay_round` once the state is in
     background_heal: ClassVar[bool] = False
