@@ -34,6 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fast.comm.comm import INTERRUPT_POLL_S  # (an interruptible wait asks the server this long at a time)
+
 MAGIC = b"FASTRS01"
 NONCE = 32
 TAG = 32
@@ -41,7 +43,6 @@ HANDSHAKE_S = 5.0  # the longest a connection may take to prove the secret
 MAX_CONNECTIONS = 4096  # open at once; beyond, a new connection is closed at once
 MAX_HANDSHAKES = 64  # connections that have not proved the secret yet, at once
 MAX_FRAME = 16 << 20  # one message's bytes: keys and values are small (ids, JSON, gloo's addresses)
-INTERRUPT_POLL_S = 0.25  # an interruptible wait asks the server for this long at a time
 _LENGTH = struct.Struct("!I")
 _SEQUENCE = struct.Struct("!Q")
 
