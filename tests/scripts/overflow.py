@@ -47,5 +47,6 @@ state = {name: t.cpu() for name, t in (model.module if mode == "ddp" else model)
 torch.save({"state": state, "scales": scales}, f"{out}/rank{rank}.pt")
 if mode == "fast":
     job.finish()
-else:
+else:  # both ranks past their last save before either tears gloo down: a rank that tore it down first
+    dist.barrier()  # once aborted the other's exit (SIGABRT, "terminate called without an active exception")
     dist.destroy_process_group()
