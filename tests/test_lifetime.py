@@ -255,7 +255,9 @@ def test_ctrl_z_pauses_every_process_of_the_run_and_fg_resumes_them(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
-    assert set(paused.values()) == {psutil.STATUS_STOPPED} and len(paused) >= 5 and grown == 0, paused
+    # the launcher and its 2 workers (forked from it: a launcher that may not has a fork server and a resource
+    # tracker besides)
+    assert set(paused.values()) == {psutil.STATUS_STOPPED} and len(paused) >= 3 and grown == 0, paused
     assert proc.returncode == 130 and err.strip().startswith("fast: error: interrupted (Ctrl-C)"), err
 
 
@@ -264,8 +266,52 @@ def _signal_handlers() -> list[str]:
 
 
 def test_a_worker_forked_from_its_launcher_takes_termination_signals_as_a_new_process_does(monkeypatch):
-    """A launcher that asks to and may (`fast join`'s) forks its workers itself, no fork server, inside the launch's
-    hold on Ctrl-C, SIGTERM and SIGHUP: they must not keep its handlers, which would hold a SIGTERM back for good."""
+    """A launcher that may (no threads beyond torch's, no CUDA) forks its workers itself, no fork server, inside the
+    launch's hold on Ctrl-C, SIGTERM and SIGHUP: they must not keep its handlers, which would hold a SIGTERM back for
+    good."""
     monkeypatch.setattr(launch_module, "_may_fork_here", lambda: True)  # (pytest's process runs threads of its own)
-    outputs = launch_module.launch(_signal_handlers, 1, port=free_port(), fork_here=True)
+    outputs = launch_module.launch(_signal_handlers, 1, port=free_port())
     assert outputs[0] == [str(signal.SIG_DFL), str(signal.SIG_DFL), str(signal.SIG_IGN)]
+
+
+NATIVE_THREAD = """
+import ctypes, time
+from fast.runtime import launch
+alone = launch._may_fork_here()
+libc = ctypes.CDLL(None)
+thread = ctypes.c_ulong()  # a thread of native code, which Python's threading does not see: it sleeps 30 s
+libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.sleep, ctypes.c_void_p), ctypes.c_void_p(30))
+time.sleep(0.5)
+print(alone, launch._may_fork_here())
+"""
+PARALLEL_OP = """
+from fast.runtime import launch
+import torch
+alone = launch._may_fork_here()
+torch.set_num_threads(2)
+x = torch.ones(1 << 20)
+(x + x).sum()  # a parallel op: torch's intra-op pool starts
+print(alone, launch._may_fork_here())
+"""
+POOL_BEFORE_FAST = """
+import torch
+torch.set_num_threads(2)
+x = torch.ones(1 << 20)
+(x + x).sum()  # the pool starts before FAST is imported: no count of threads after can tell it from torch's own
+from fast.runtime import launch
+print(launch._may_fork_here(), launch._may_fork_here())
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "may"),
+    [(NATIVE_THREAD, "True False"), (PARALLEL_OP, "True False"), (POOL_BEFORE_FAST, "False False")],
+    ids=["native thread", "intra-op pool", "torch before FAST"],
+)
+def test_a_launcher_forks_its_workers_itself_only_while_it_runs_no_thread_beyond_torchs(script, may):
+    """A fresh process that has imported FAST may fork its workers itself; once a native thread runs in it (a Rust
+    runtime's, as torchft's lighthouse starts: a child forked past it crashed), or torch's intra-op pool has started
+    (a child forked past it hangs in its first parallel op), it may not; nor may one that imported torch before FAST
+    (its pool may have started uncounted)."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == may.split(), done.stderr

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import fast
 from fast.comm import bootstrap as engine
 from fast.errors import CommError, ConfigError, FastError
 from fast.interrupts import TERMINATION_SIGNALS, Stopped, held_interrupts, how_interrupted
@@ -173,25 +174,41 @@ def warm_up() -> None:
     """Import here what a worker's process needs before it starts (`_preloaded`), for a launch that forks its workers
     from this process (`_workers_context`): their one import, where a fork server would make a second (seconds of a
     core per run); a standby joiner's, before it is given its line."""
+    global _IMPORTED_THREADS
+    before = _threads()
     for name in _preloaded():
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    _IMPORTED_THREADS += _threads() - before  # (a library's BLAS pool, say: a fork server's imports start them too)
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (a Python thread count misses those of a library's runtime)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+# this process's threads that imports started: its own and BLAS's pool once torch is in, and those the preloaded
+# modules start (`warm_up`), as they do in a fork server; not torch's intra-op pool, which its first parallel op
+# starts and which a forked child hangs in (GNU OpenMP)
+_IMPORTED_THREADS = _threads()
 
 
 def _may_fork_here() -> bool:
-    """Whether this process may fork its workers itself: it runs no other Python thread (a fork copies the caller's
-    alone, and a lock another held stays held in the child), has not started CUDA (which a forked child cannot use)
-    and has not imported JAX (whose threads a fork breaks). Threads of native code it cannot see (a Rust runtime's:
-    torchft's lighthouse, which a child forked from a test's process crashed on), so only a process that knows what
-    it has imported asks (`fork_here`): `fast join`'s."""
-    return threading.active_count() == 1 and not torch.cuda.is_initialized() and "jax" not in sys.modules
+    """Whether this process may fork its workers itself: it runs no thread beyond those its imports started (a
+    fork copies the caller's thread alone, and a lock another held stays held in the child: a Rust runtime's,
+    torchft's lighthouse, crashed a child forked from a test's process; torch's intra-op pool, once a parallel op has
+    started it, hangs a child's first parallel op; a pool torch started before FAST was imported goes uncounted, so
+    a process that imported torch first may not), has not started CUDA (which a forked child cannot use) and has
+    not imported JAX (whose threads a fork breaks). The command line's launcher of a fixed run, and a joiner's, may;
+    a notebook's, or one whose live membership serves the run's store, may not."""
+    return (threading.active_count() == 1 and _threads() <= _IMPORTED_THREADS and not fast.torch_came_first
+            and not torch.cuda.is_initialized() and "jax" not in sys.modules)  # fmt: skip
 
 
-def _workers_context(fork_here: bool) -> Any:
-    """Where a launch's processes come from: this process, forked once it has imported what they need, where it asks
-    to and may (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the
-    launcher."""
-    if fork_here and _may_fork_here():
+def _workers_context() -> Any:
+    """Where a launch's processes come from: this process, forked once it has imported what they need, where it may
+    (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the launcher."""
+    if _may_fork_here():
         warm_up()
         _pause_with_the_terminal()
         return mp.get_context("fork")
@@ -248,7 +265,6 @@ def launch(
     on_exit: Callable[[int, int | None], None] | None = None,
     goes_on: Callable[[], bool] | None = None,
     together: int = 1,
-    fork_here: bool = False,
 ) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` processes; returns each rank's return value, or raises WorkerFailed.
 
@@ -259,8 +275,8 @@ def launch(
     once every process has ended, `goes_on()` waits while the run goes on without them (members another launcher
     started) and says whether its outputs were written; if so the run ended well, whoever died. With `together` = K,
     the processes are replicas of K consecutive ranks (a sharded live run's, fast.runtime.sharded): when one of them
-    ends badly, the others of its replica, which cannot go on without it, are stopped at once. With `fork_here`, the
-    processes are forked from this one where it may, else from a fork server (`_workers_context`)."""
+    ends badly, the others of its replica, which cannot go on without it, are stopped at once. The processes are
+    forked from this one where it may, else from a fork server (`_workers_context`)."""
     scratch = new_scratch()
     procs: list[Any] = []
     results: dict[Any, int] = {}  # each process's pipe, the launcher's end: its rank
@@ -270,7 +286,7 @@ def launch(
     interrupt: KeyboardInterrupt | None = None
     written: bool | None = None
     try:
-        ctx = _workers_context(fork_here)
+        ctx = _workers_context()
         store = scratch_folder(scratch)
         store.mkdir(mode=0o700)
         local = addr.startswith("127.") or addr == "localhost"

@@ -80,5 +80,5 @@ def join(
     addr, shards = access.host, job.run.shards
     threads = job.run.threads_per_worker or 1
     launch(train_worker, shards, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
-           extra_env=environment, on_exit=ended, together=shards, fork_here=True)  # fmt: skip
+           extra_env=environment, on_exit=ended, together=shards)  # fmt: skip
     return member
