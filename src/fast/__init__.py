@@ -16,11 +16,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import fast.first_import  # noqa: F401 (first: it notes what the process held before FAST)
 from fast.version import __version__
-
-# whether torch came in before FAST did: its intra-op pool may have started then, which no later count of this
-# process's threads can tell from the ones torch's import starts (fast.runtime.launch's rule for forking workers)
-torch_came_first = "torch" in sys.modules
 
 _excepthook = sys.excepthook
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import fast
 from fast.comm import bootstrap as engine
 from fast.errors import CommError, ConfigError, FastError
+from fast.first_import import TORCH_CAME_FIRST
 from fast.interrupts import TERMINATION_SIGNALS, Stopped, held_interrupts, how_interrupted
 from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
 
@@ -201,7 +201,7 @@ def _may_fork_here() -> bool:
     a process that imported torch first may not), has not started CUDA (which a forked child cannot use) and has
     not imported JAX (whose threads a fork breaks). The command line's launcher of a fixed run, and a joiner's, may;
     a notebook's, or one whose live membership serves the run's store, may not."""
-    return (threading.active_count() == 1 and _threads() <= _IMPORTED_THREADS and not fast.torch_came_first
+    return (threading.active_count() == 1 and _threads() <= _IMPORTED_THREADS and not TORCH_CAME_FIRST
             and not torch.cuda.is_initialized() and "jax" not in sys.modules)  # fmt: skip
 
 
