@@ -222,6 +222,39 @@ def test_members_that_failed_to_form_a_group_unequally_often_still_form_the_next
     assert sums == {0: 3.0, 1: 3.0}
 
 
+def _aborted_inside_a_collective(comm: Comm, port: int, secret: bytes) -> tuple[float, float] | None:
+    store = RunStore("127.0.0.1", port, secret, 60.0)
+    if comm.rank == 2:  # alive, elsewhere: it never comes to the collective, and keeps its connections open
+        store.wait(["done"])
+        return None
+    running = torch.distributed.all_reduce(torch.ones(1000), async_op=True)  # noqa: F841 (held, as a Handle does)
+    time.sleep(0.5)
+    started = time.monotonic()
+    engine.abort()
+    left_s = time.monotonic() - started
+    group = engine.start_group(store.for_group("generation2/"), comm.rank, 2, torch.device("cpu"), deadline_s=20.0,
+                               connect_s=20.0)  # fmt: skip
+    total = torch.tensor([comm.rank + 1.0])
+    group.all_reduce(total)
+    if comm.rank == 0:
+        store.set("done", b"1")
+    return left_s, total.item()
+
+
+def test_a_member_leaves_a_group_whose_collective_is_still_running_at_once_and_forms_the_next():
+    """gloo's abort of a group whose collective still runs (its peers alive and elsewhere) waits out the group's
+    timeout: two members of a 10-minute churned run spent 10 s each in it. The member goes on at once."""
+    secret = os.urandom(32)
+    server = RunStoreServer("127.0.0.1", 0, secret)
+    try:
+        out = run_distributed(_aborted_inside_a_collective, 3, server.port, secret, deadline_s=30.0)
+    finally:
+        server.close()
+    for rank in (0, 1):
+        left_s, total = out[rank]
+        assert left_s < 5.0 and total == 3.0, out  # (the group's timeout is 30 s: waited out, it would be 29.5)
+
+
 def _sums(comm: Comm, shared_memory: bool) -> dict:
     summed = sum_buffer(comm, 9, shared_memory)
     before = comm.counter.snapshot()["bytes_sent"]  # making the buffer is set-up, not traffic

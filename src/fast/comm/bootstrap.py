@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -157,7 +158,9 @@ def start_group(
     fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
     groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
     backend = backend_for(device)
+    global _group_timeout_s
     timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
+    _group_timeout_s = max(_group_timeout_s, timeout.total_seconds())
     # torch names a group after the count of groups its process made (the name is part of every key its members
     # meet on), and only a group left resets the count, not an attempt that failed to form: without this, a member
     # that failed to form one more time than another would never meet it again (every re-form would time out)
@@ -196,10 +199,18 @@ def stop() -> None:
         dist.destroy_process_group()
 
 
+# groups a member left, each perhaps with a collective still running, and when: gloo's abort of such a group, or its
+# last reference dropped, waits out the collective's timeout (gloo joins the thread that runs it: 9 s of a 10 s
+# timeout, measured, holding the interpreter's lock meanwhile), so a group left is kept until its timeout has passed
+_left_groups: list[tuple[float, Any]] = []
+_group_timeout_s = 0.0  # the operations' timeout of the groups start_group forms
+
+
 def abort() -> None:
     """Leave a broken group at once (a live run's member re-forming): its connections close, so a peer still
     waiting in one of its collectives fails now rather than at its deadline. Nothing of it is waited for."""
+    now = time.monotonic()
+    _left_groups[:] = [(left, group) for left, group in _left_groups if now - left <= _group_timeout_s + 1.0]
     if dist.is_initialized():
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        _abort_process_group()
+        _left_groups.extend((now, group) for group in dist.distributed_c10d._world.pg_names)
+        dist.destroy_process_group()
