@@ -7,6 +7,7 @@ import pytest
 
 from fast.assemble import load_config
 from fast.errors import ConfigError
+from fast.factories import load_factory
 from fast.tools.cli import main
 
 
@@ -87,3 +88,16 @@ def test_options_set_with_a_new_strategy_name_stay_whatever_their_order():
     ):
         config = load_config({"strategy": {"name": "local-sgd", "period": 4}}, **overrides)
         assert config.strategy.name == "ssp" and config.strategy.options() == {"staleness": 3}
+
+
+def test_a_factory_its_module_lacks_is_one_line_naming_the_module_file_found(tmp_path, monkeypatch):
+    """A module of the same name earlier on the path (a bench's `lm.py` before the example's) is the likely cause:
+    the line names the file that was imported."""
+    (tmp_path / "shadowing_module.py").write_text("def other():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "shadowing_module", raising=False)
+    with pytest.raises(ConfigError) as error:
+        load_factory("shadowing_module:wanted", "step.factory")
+    message = str(error.value)
+    assert f"shadowing_module ({tmp_path / 'shadowing_module.py'}) has no 'wanted'" in message and "\n" not in message
+    monkeypatch.delitem(sys.modules, "shadowing_module", raising=False)

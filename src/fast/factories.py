@@ -49,11 +49,13 @@ def import_module(module_name: str, key: str, spec: str | None = None) -> Any:
 def load_factory(spec: str, key: str) -> Callable[..., Any]:
     """The function `spec` ("package.module:function") names; ConfigError naming `key` when it cannot be had."""
     module_name, _, attribute = spec.partition(":")
-    target: Any = import_module(module_name, key, spec)
+    module = target = import_module(module_name, key, spec)
     for part in attribute.split("."):
         target = getattr(target, part, None)
-        if target is None:
-            raise ConfigError(f"`{key}` = {spec!r}: {module_name} has no {attribute!r}; check the name after ':'")
+        if target is None:  # (the file named: another module of that name may come first on the path)
+            where = getattr(module, "__file__", None) or "built in"
+            raise ConfigError(f"`{key}` = {spec!r}: {module_name} ({where}) has no {attribute!r}; check the name "
+                              "after ':'")  # fmt: skip
     if not callable(target):
         raise ConfigError(f"`{key}` = {spec!r} is a {type(target).__name__}, not a function: name a function")
     return target
