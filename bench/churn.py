@@ -30,7 +30,8 @@ family's including the local steps the survivors take to the end of the round; m
 over every seed's per strategy (a member that went on its own, not told by churn, has none). The idle shares: the
 churned runs' member-seconds present in which a member could train nothing, as shares of them all, by cause: the
 members re-forming (their `re-formed` records), joiners sitting out while their state came (`sat_out_s` of their
-`healed` records), members dead until the generation without them (their recovery). The ratio's gap beyond their sum
+`healed` records), members dead until the generation without them (their recovery), and joiners present that
+never held the state (no `healed` record: churn took them out while it came). The ratio's gap beyond their sum
 is steps that churn slows (catch-up bytes on the links, joiners' processes starting on the host's cores) and what a
 killed member trained since its last round."""
 
@@ -99,12 +100,26 @@ def sat_out(run: Path) -> float:
     return round(sum(r.get("sat_out_s", 0.0) for r in records), 1)
 
 
+def never_healed(run: Path, events: list[dict], train_s: float) -> float:
+    """The member-seconds present of joiners that never held the state (no `healed` record of theirs: churn took
+    them out while it came), from a run's generations (`summary["membership"]`) to the end of training."""
+    if not events:
+        return 0.0
+    healed = {json.loads(line)["worker"] for path in (run / "workers").glob("metrics-*.jsonl")
+              for line in path.read_text().splitlines() if '"healed"' in line}  # fmt: skip
+    end = events[0]["unix_time"] + train_s
+    joined = {m: e["unix_time"] for e in events[1:] for m in e["joined"]}
+    left = {d["member"]: e["unix_time"] for e in events[1:] for d in e["left"]}
+    return round(sum(left.get(m, end) - t for m, t in joined.items() if m not in healed), 1)
+
+
 def time_lost(row: dict) -> dict[str, float]:
     """A churned run's member-seconds present that could train nothing, by cause: the members re-forming, joiners
-    sitting out while their state came, members dead until the generation without them (their recovery seconds)."""
+    sitting out while their state came, members dead until the generation without them (their recovery seconds),
+    joiners that never held the state."""
     reforms = row["reforming_member_s"]
     return {"re-forming": round(sum(reforms[phase] for phase in REFORM_PHASES), 1), "sitting out": row["sat_out_s"],
-            "dead": round(sum(row["recovery_s"]), 1)}  # fmt: skip
+            "dead": round(sum(row["recovery_s"]), 1), "never healed": row["never_healed_s"]}  # fmt: skip
 
 
 def idle_shares(pairs: list[tuple[dict, dict]]) -> str:
@@ -154,6 +169,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "workers_at_end": summary.get("workers_at_end"),
         "reforming_member_s": reforming(out),
         "sat_out_s": sat_out(out),
+        "never_healed_s": never_healed(out, events, summary["wall_time_s"]),
     }
 
 
@@ -259,8 +275,9 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
     print(f"\nfailures every {args.failure_every:g} s on average (each member's mean stay "
           f"{draws[0]:g} s, mean absence {draws[1]:g} s), {args.time:g} s a churned run, "
           f"{args.steady_time or args.time:g} s a steady one, {args.seeds} seeds")  # fmt: skip
+    idle = "idle share: re-form/sit out/dead/unhealed"
     print(f"{'strategy':<10} {'failures':>9} {'members':>8} {'churned/s':>10} {'steady/s':>9} {'ratio':>6}"
-          f" {'min-max':<11} {'recovery s median/max (n)':>26}  {'idle share: re-form/sit out/dead':>32}")  # fmt: skip
+          f" {'min-max':<11} {'recovery s median/max (n)':>26}  {idle:>42}")  # fmt: skip
     met = True
     for strategy in args.strategies:
         ours = [(c, s) for c, s in pairs if c["strategy"] == strategy]
@@ -273,7 +290,7 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
               f" {statistics.mean(s['goodput'] for _, s in ours):>9.1f}"
               f" {statistics.mean(ratios):>6.3f} {spread:<11}"
               f" {median_and_max([s for c, _ in ours for s in c['recovery_s']]):>26}"
-              f"  {idle_shares(ours):>32}")  # fmt: skip
+              f"  {idle_shares(ours):>42}")  # fmt: skip
     print(f"\nsamples per member-second, churned / steady >= {GOODPUT_TARGET}: {'met' if met else 'NOT met'}")
     return 0
 

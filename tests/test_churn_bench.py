@@ -1,5 +1,5 @@
 """bench/churn.py's figures from a run's membership events, on synthetic events (no processes): the member-seconds
-present and each churn failure's recovery seconds."""
+present, each churn failure's recovery seconds and the time of joiners that never held the state."""
 
 import importlib.util
 from pathlib import Path
@@ -42,3 +42,13 @@ def test_median_and_max_of_a_runs_recoveries(churn_bench):
 def test_member_seconds_count_each_generation_to_the_next(churn_bench):
     # 3 members for 12.5 s, 2 for 7.5 s, 3 for 11 s, then 1 to the end of training (40 s after the start)
     assert churn_bench.member_seconds(EVENTS, 40.0) == pytest.approx(3 * 12.5 + 2 * 7.5 + 3 * 11 + 1 * 9)
+
+
+def test_joiners_that_never_held_the_state_count_their_time_present(churn_bench, tmp_path):
+    # joiner 3 (at 120.0) never wrote a `healed` record, to the end of training (140.0); joiner 4 (at 125.0) did
+    events = [*EVENTS[:3], {"generation": 3, "unix_time": 125.0, "members": [0, 1, 3, 4], "joined": [4], "left": []}]
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "metrics-4.jsonl").write_text('{"worker": 4, "kind": "healed", "sat_out_s": 2.0}\n')
+    assert churn_bench.never_healed(tmp_path, events, 40.0) == pytest.approx(20.0)
+    (tmp_path / "workers" / "metrics-3.jsonl").write_text('{"worker": 3, "kind": "healed", "sat_out_s": 1.0}\n')
+    assert churn_bench.never_healed(tmp_path, events, 40.0) == 0.0
