@@ -84,20 +84,23 @@ def recovery_seconds(events: list[dict]) -> list[float]:
             if "evicted_unix_time" in left]  # fmt: skip
 
 
+def records(run: Path, kind: str) -> list[dict]:
+    """The run's workers' records of `kind` ("re-formed", "healed")."""
+    return [json.loads(line) for path in sorted((run / "workers").glob("metrics-*.jsonl"))
+            for line in path.read_text().splitlines() if f'"{kind}"' in line]  # fmt: skip
+
+
 def reforming(run: Path) -> dict[str, float]:
     """The members' seconds of re-forming, summed over a run's members (their `re-formed` records), by phase: waiting
     for a generation, for its members to arrive, forming its group, healing; and the longest one re-form took."""
-    records = [json.loads(line) for path in sorted((run / "workers").glob("metrics-*.jsonl"))
-               for line in path.read_text().splitlines() if '"re-formed"' in line]  # fmt: skip
-    spent = {phase: round(sum(r[f"{phase}_s"] for r in records), 1) for phase in REFORM_PHASES}
-    return {**spent, "longest": max((r["reform_s"] for r in records), default=0.0)}
+    reforms = records(run, "re-formed")
+    spent = {phase: round(sum(r[f"{phase}_s"] for r in reforms), 1) for phase in REFORM_PHASES}
+    return {**spent, "longest": max((r["reform_s"] for r in reforms), default=0.0)}
 
 
 def sat_out(run: Path) -> float:
     """The joiners' seconds sitting out while their state came behind the steps (their `healed` records), summed."""
-    records = [json.loads(line) for path in sorted((run / "workers").glob("metrics-*.jsonl"))
-               for line in path.read_text().splitlines() if '"healed"' in line]  # fmt: skip
-    return round(sum(r.get("sat_out_s", 0.0) for r in records), 1)
+    return round(sum(r.get("sat_out_s", 0.0) for r in records(run, "healed")), 1)
 
 
 def never_healed(run: Path, events: list[dict], train_s: float) -> float:
@@ -105,8 +108,7 @@ def never_healed(run: Path, events: list[dict], train_s: float) -> float:
     them out while it came), from a run's generations (`summary["membership"]`) to the end of training."""
     if not events:
         return 0.0
-    healed = {json.loads(line)["worker"] for path in (run / "workers").glob("metrics-*.jsonl")
-              for line in path.read_text().splitlines() if '"healed"' in line}  # fmt: skip
+    healed = {r["worker"] for r in records(run, "healed")}
     end = events[0]["unix_time"] + train_s
     joined = {m: e["unix_time"] for e in events[1:] for m in e["joined"]}
     left = {d["member"]: e["unix_time"] for e in events[1:] for d in e["left"]}

@@ -202,23 +202,33 @@ def _forms_after_a_failed_attempt(comm: Comm, port: int, secret: bytes) -> float
         alone = RunStore("127.0.0.1", port, secret, 5.0).for_group("generation1/")
         with pytest.raises(RuntimeError):
             engine.start_group(alone, 0, 2, torch.device("cpu"), deadline_s=5.0, connect_s=1.0)
-    store = RunStore("127.0.0.1", port, secret, 20.0).for_group("generation2/")
-    group = engine.start_group(store, comm.rank, 2, torch.device("cpu"), deadline_s=20.0, connect_s=20.0)
-    total = torch.tensor([comm.rank + 1.0])
+    return _sum_in_the_next_group(RunStore("127.0.0.1", port, secret, 20.0), comm.rank)
+
+
+def _sum_in_the_next_group(store: RunStore, rank: int) -> float:
+    """Ranks 0 and 1 form generation 2's group over the run's store and sum their rank + 1 in it (3.0)."""
+    group = engine.start_group(store.for_group("generation2/"), rank, 2, torch.device("cpu"), deadline_s=20.0,
+                               connect_s=20.0)  # fmt: skip
+    total = torch.tensor([rank + 1.0])
     group.all_reduce(total)
     return total.item()
+
+
+def _with_a_run_store(fn: Any, nprocs: int, deadline_s: float) -> dict[int, Any]:
+    """`fn(comm, port, secret)` on each of `nprocs` ranks, beside a run's store server of its own."""
+    secret = os.urandom(32)
+    server = RunStoreServer("127.0.0.1", 0, secret)
+    try:
+        return run_distributed(fn, nprocs, server.port, secret, deadline_s=deadline_s)
+    finally:
+        server.close()
 
 
 def test_members_that_failed_to_form_a_group_unequally_often_still_form_the_next_one(no_orphans):
     """torch names a group after the count of groups its process made, and that name is part of every key its
     members meet on: a failed attempt counted on one member and not on another made them miss each other at every
     later generation (a live run re-forming every few seconds, forever). Each generation's group counts from 0."""
-    secret = os.urandom(32)
-    server = RunStoreServer("127.0.0.1", 0, secret)
-    try:
-        sums = run_distributed(_forms_after_a_failed_attempt, 2, server.port, secret, deadline_s=60.0)
-    finally:
-        server.close()
+    sums = _with_a_run_store(_forms_after_a_failed_attempt, 2, deadline_s=60.0)
     assert sums == {0: 3.0, 1: 3.0}
 
 
@@ -232,24 +242,16 @@ def _aborted_inside_a_collective(comm: Comm, port: int, secret: bytes) -> tuple[
     started = time.monotonic()
     engine.abort()
     left_s = time.monotonic() - started
-    group = engine.start_group(store.for_group("generation2/"), comm.rank, 2, torch.device("cpu"), deadline_s=20.0,
-                               connect_s=20.0)  # fmt: skip
-    total = torch.tensor([comm.rank + 1.0])
-    group.all_reduce(total)
+    total = _sum_in_the_next_group(store, comm.rank)
     if comm.rank == 0:
         store.set("done", b"1")
-    return left_s, total.item()
+    return left_s, total
 
 
 def test_a_member_leaves_a_group_whose_collective_is_still_running_at_once_and_forms_the_next():
     """gloo's abort of a group whose collective still runs (its peers alive and elsewhere) waits out the group's
     timeout: two members of a 10-minute churned run spent 10 s each in it. The member goes on at once."""
-    secret = os.urandom(32)
-    server = RunStoreServer("127.0.0.1", 0, secret)
-    try:
-        out = run_distributed(_aborted_inside_a_collective, 3, server.port, secret, deadline_s=30.0)
-    finally:
-        server.close()
+    out = _with_a_run_store(_aborted_inside_a_collective, 3, deadline_s=30.0)
     for rank in (0, 1):
         left_s, total = out[rank]
         assert left_s < 5.0 and total == 3.0, out  # (the group's timeout is 30 s: waited out, it would be 29.5)

@@ -157,8 +157,8 @@ def start_group(
     """Form a default process group of `world_size` over `store` (one generation of a live run's membership,
     fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
     groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
-    backend = backend_for(device)
     global _group_timeout_s
+    backend = backend_for(device)
     timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
     _group_timeout_s = max(_group_timeout_s, timeout.total_seconds())
     # torch names a group after the count of groups its process made (the name is part of every key its members
