@@ -13,6 +13,8 @@ import torch
 from fast.comm import Comm, shared_memory
 from fast.comm import bootstrap as engine
 from fast.comm.shared_memory import SharedMemorySum, sum_buffer
+from fast.emulation.links import EmulatedLink, LinkTable
+from fast.emulation.network import EmulatedComm, Network
 from fast.errors import CommError, CommTimeout
 from fast.runtime.launch import WorkerFailed
 from fast.runtime.run_store import RunStore, RunStoreServer
@@ -375,3 +377,31 @@ def test_a_payload_on_its_way_is_given_up_when_the_membership_changes():
     others waited for it at the next generation."""
     out = run_distributed(_a_payload_from_a_silent_peer, 2)
     assert out[1] == "receiving a payload given up: the membership changed", out[1]
+
+
+def _in_turn(comm: Comm) -> dict:
+    """Rank 0 sends rank 1 a state of 4 MB and rank 2 one of 2 MB, in turn, over emulated links of 2 MB/s with a
+    deadline of 1.5 s: each receiver's payload, and when it was in."""
+    link = LinkTable(comm.size, EmulatedLink(0.001, 2e6))
+    emulated = EmulatedComm(network=Network(link, comm.rank, 0), deadline_s=comm.deadline_s, device="cpu")
+    emulated.barrier()
+    started = time.monotonic()
+    if comm.rank == 0:
+        lines = [
+            (torch.full((4 << 20,), 1, dtype=torch.uint8), 1, 0),
+            (torch.full((2 << 20,), 2, dtype=torch.uint8), 2, 0),
+        ]
+        emulated.isend_bytes_in_turn(lines).join()
+        return {}
+    payload = emulated.irecv_bytes(0, limit=8 << 20).take()
+    return {"in_s": time.monotonic() - started, "bytes": payload.numel(), "values": payload.unique().tolist()}
+
+
+def test_states_sent_in_turn_come_in_one_after_another_and_a_receiver_waiting_its_turn_outlasts_the_deadline():
+    """A source heals its joiners one after another (`isend_bytes_in_turn`): the first is in after its own bytes,
+    not after everyone's, so it can send at the next heal. The second waits longer than the deadline for its
+    turn, and its receive holds: a piece comes to it every third of the deadline."""
+    out = run_distributed(_in_turn, 3, deadline_s=1.5)
+    assert (out[1]["bytes"], out[1]["values"], out[2]["bytes"], out[2]["values"]) == (4 << 20, [1], 2 << 20, [2])
+    # side by side, the 2 MB state would be in at 2 s and the 4 MB one at 3 s
+    assert out[1]["in_s"] < out[2]["in_s"], out

@@ -186,15 +186,17 @@ class _Pieces:
 
 
 class IncomingBytes:
-    """A payload `isend_bytes` sends, received behind the receiver's work on a thread of its own (a backend's receive
-    is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for it and raises what
-    the receive raised (CommError: a peer gone, a length past `limit`). It comes in pieces, and a receive that a
+    """A payload `isend_bytes_in_turn` sends, received behind the receiver's work on a thread of its own (a backend's
+    receive is not seen done until it is waited on): `arrived()` looks without waiting, `take()` waits for it and raises
+    what the receive raised (CommError: a peer gone, a length past `limit`). It comes in pieces, and a receive that a
     broken group cuts keeps those that came (`received`): a receive `resuming` it takes only the rest."""
 
     def __init__(self, comm: Any, src: int, limit: int, resuming: IncomingBytes | None = None) -> None:
         self.payload = None if resuming is None else resuming.payload
         self.received = 0 if resuming is None else resuming.received
         self.error: BaseException | None = None
+        self._counting = timing.Lock()  # (what `received` says, and whether it still moves: `cut`)
+        self._cut = False
         self.thread = timing.Thread(self._receive, "fast-incoming", args=(comm, src, limit))
         self.thread.start()
 
@@ -207,22 +209,30 @@ class IncomingBytes:
             if start and (self.payload is None or self.payload.numel() != total or start != self.received):
                 raise CommError(f"worker {src} resumed a payload of {total} bytes at byte {start}, not where it was "
                                 f"cut (byte {self.received})")  # fmt: skip
-            if not start:
-                self.payload, self.received = torch.empty(total, dtype=torch.uint8), 0
+            with self._counting:
+                if self._cut:
+                    return
+                if not start:
+                    self.payload, self.received = torch.empty(total, dtype=torch.uint8), 0
             while self.received < total:
                 comm.recv(self.payload[self.received : self.received + PIECE_BYTES], src)
-                self.received = min(total, self.received + PIECE_BYTES)
+                with self._counting:
+                    if self._cut:
+                        return
+                    self.received = min(total, self.received + PIECE_BYTES)
         except BaseException as e:  # (handed to `take`, on the caller's thread)
             self.error = e
 
     def arrived(self) -> bool:
         return not self.thread.is_alive()
 
-    def cut(self, wait_s: float) -> bool:
-        """Whether this receive has ended within `wait_s` (its group broken, or all of it in), so that another may
-        resume it."""
-        self.thread.join(wait_s)
-        return not self.thread.is_alive() and self.payload is not None
+    def cut(self) -> bool:
+        """(The group broke) what has come is what a receive `resuming` this one keeps: from now on this one counts
+        nothing more, though it may still wait (over emulated links, for a piece's time of arrival; a piece that
+        lands meanwhile holds the same bytes as the source sends again). Whether the payload had begun to come."""
+        with self._counting:
+            self._cut = True
+            return self.payload is not None
 
     def take(self, interrupted: Callable[[], str | None] | None = None) -> torch.Tensor:
         """The payload, once all of it is in; with `interrupted` (a live group's), CommError as soon as it says why
@@ -451,23 +461,38 @@ class Comm:
         if payload.numel():
             self.send(payload.contiguous(), dst, tag)
 
-    def isend_bytes(self, payload: torch.Tensor, dst: int, start: int = 0) -> Any:
-        """Send `payload` from byte `start` (0, or where a cut receive ended) to `irecv_bytes`, behind the caller's
-        work, on a thread of its own (returned): its length and start, then its bytes in pieces. A peer gone
-        meanwhile, or the group left (ValueError), ends it quietly: the receiver's side is where the loss counts."""
+    def isend_bytes_in_turn(self, lines: list[tuple[torch.Tensor, int, int]]) -> Any:
+        """Send payloads to `irecv_bytes`, behind the caller's work, on one thread (returned): each line is (payload,
+        peer, start), `start` 0 or where a cut receive ended. First every line's length and start; then the bytes in
+        pieces, one payload after another in the order given, so that the first is in as soon as the link allows
+        (sent side by side, all would be in only at the end). A receiver waiting its turn gets a piece at least
+        every third of the deadline, so that its receive does not pass the deadline. A peer gone meanwhile ends its
+        line quietly, the group left (ValueError) every line: the receiver's side is where the loss counts."""
 
         def send() -> None:
-            with contextlib.suppress(CommError, ValueError):
-                self.send(torch.tensor([payload.numel(), start], dtype=torch.int64), dst)
-                for piece in range(start, payload.numel(), PIECE_BYTES):
-                    self.send(payload[piece : piece + PIECE_BYTES], dst)
+            at, last = {}, {}  # (of each line under way: its next byte, when a piece of it last went)
+            with contextlib.suppress(ValueError):
+                for i, (payload, peer, start) in enumerate(lines):
+                    with contextlib.suppress(CommError):
+                        self.send(torch.tensor([payload.numel(), start], dtype=torch.int64), peer)
+                        at[i], last[i] = start, timing.now()
+                while at := {i: byte for i, byte in at.items() if byte < lines[i][0].numel()}:
+                    now = timing.now()
+                    i = next((i for i in at if now - last[i] >= self.deadline_s / 3), min(at))
+                    payload, peer, _ = lines[i]
+                    try:
+                        self.send(payload[at[i] : at[i] + PIECE_BYTES], peer)
+                    except CommError:
+                        del at[i]
+                        continue
+                    at[i], last[i] = at[i] + PIECE_BYTES, timing.now()
 
         thread = timing.Thread(send, "fast-outgoing")
         thread.start()
         return thread
 
     def irecv_bytes(self, src: int, limit: int, resuming: IncomingBytes | None = None) -> IncomingBytes:
-        """Receive what `isend_bytes` sends, behind the caller's work (at most `limit` bytes); `resuming`: the
+        """Receive what `isend_bytes_in_turn` sends, behind the caller's work (at most `limit` bytes); `resuming`: the
         receive of the same payload that a broken group cut, whose pieces this one does not take again."""
         return IncomingBytes(self, src, limit, resuming)
 
