@@ -42,6 +42,7 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import fast
@@ -165,6 +166,7 @@ def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, c
         "catch_up_bytes": summary.get("catch_up_bytes", 0),
         "catch_up_s": round(sum(e["catch_up_s"] for e in events[1:]), 3),
         "lines_resumed": sum(len(e.get("resumed", [])) for e in events[1:]),  # (a joiner's state a departure cut)
+        "lines_restarted": dict(Counter(why for e in events[1:] for why in e.get("restarted", {}).values())),
         "changes": max(0, len(events) - 1),
         "leaves": sum(len(e["left"]) for e in events[1:]),
         "recovery_s": [round(s, 2) for s in recovery_seconds(events)],

@@ -23,7 +23,7 @@ from fast.errors import ConfigError
 from fast.jobs.code import load_data, make_model
 from fast.optim import build_optimizer
 from fast.parts import resolve
-from fast.runtime.live import STUCK_EXIT_CODE, Live
+from fast.runtime.live import STUCK_EXIT_CODE, Live, sources_for
 from fast.runtime.loader import epoch_order
 from fast.runtime.membership import Access, Coordinator, Member, connect, read_key
 from fast.runtime.run_store import RunStoreServer
@@ -713,6 +713,23 @@ def test_a_joiners_line_a_departure_cuts_goes_on_where_it_was_cut(tmp_path, no_o
     # the rest only: the second line sent what the first had not (and where the run stands, a few hundred bytes)
     assert events[3]["catch_up_bytes"] < events[2]["catch_up_bytes"] - came + 1024, events
     assert events[4]["healed"] == [], events  # level with member 0: θ, outer momentum and counters
+
+
+def test_a_heal_gives_each_source_its_joiners_in_turn_so_the_holders_double():
+    """Sources send their joiners' states one after another: the heal spreads joiners over the sources by what each
+    has left to send. A cut line goes on at its source unless another source would have the whole state in
+    sooner; the lines nearest their end come first."""
+    # no cut line: one joiner after another to the source with least to send (members 2..6, sources 0 and 1)
+    source_of, resuming = sources_for([2, 3, 4, 5, 6], [0, 1], {})
+    assert (source_of, resuming) == ({2: 0, 3: 1, 4: 0, 5: 1, 6: 0}, [])
+    # member 0 had four lines cut: the two nearest their end go on there, first; member 2's starts again at member 1,
+    # which has it in sooner than member 0 would after those two; member 4's then lands on member 0 again, and goes on
+    cut = {2: (0, 0.9), 3: (0, 0.2), 4: (0, 0.95), 5: (0, 0.5)}
+    source_of, resuming = sources_for([2, 3, 4, 5, 6], [0, 1], cut)
+    assert resuming == [3, 5, 4] and list(source_of)[:2] == [3, 5], (source_of, resuming)
+    assert source_of == {3: 0, 5: 0, 2: 1, 4: 0, 6: 1}, source_of
+    # a line nearly in stays with its source, however busy
+    assert sources_for([2, 3], [0, 1], {2: (0, 0.1), 3: (0, 0.1)})[1] == [2, 3]
 
 
 def test_a_periodic_joiner_whose_state_is_slower_than_a_round_sits_rounds_out_and_a_join_waits_for_it(

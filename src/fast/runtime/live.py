@@ -76,9 +76,9 @@ class HealRow:
     """The columns of the row each member gives at a heal (`Live._heal`): its id, its step, whether it is new (1),
     holds nothing yet (EMPTY) or holds the run's state (0), a fingerprint of its shared state, whether it kept the
     step a death broke; and of its line the last re-form cut (`Live._line_to_resume`): the source's id, the
-    generation that began it, the bytes that came, the steps or round means kept since."""
+    generation that began it, the bytes that came, the steps or round means kept since, the bytes it carries."""
 
-    ID, STEP, NEW, SHARED, UNAGREED, CUT_SOURCE, CUT_GENERATION, CUT_BYTES, CUT_KEPT = range(9)
+    ID, STEP, NEW, SHARED, UNAGREED, CUT_SOURCE, CUT_GENERATION, CUT_BYTES, CUT_KEPT, CUT_TOTAL = range(10)
     EMPTY = 2
 
 
@@ -91,6 +91,56 @@ class Snapshot:
     payload: torch.Tensor
     generation: int
     kept_by_then: int
+
+
+def sources_for(
+    behind: list[int], sources: list[int], cut: dict[int, tuple[int, float]]
+) -> tuple[dict[int, int], list[int]]:
+    """Which of `sources` sends each member of `behind` its state at a heal, and the members whose cut line goes on
+    (`cut`: each such member's source and the share of its state still to come). A source sends one state after
+    another (`Comm.isend_bytes_in_turn`), so a member's state is in once its source has sent what comes before it:
+    a line goes on at its source, the nearest its end first, unless another source with less to send would have
+    the whole state in sooner; every other member goes to the source with least to send (a cut line that lands
+    on its own source goes on there). A joiner in then sends
+    at the next heal: the holders double, where states sent side by side would all come in at the end."""
+    queued = dict.fromkeys(sources, 0.0)  # (states each source has to send)
+    source_of = {}
+    for member, (source, to_come) in sorted(cut.items(), key=lambda line: line[1][1]):
+        least = min(sources, key=queued.__getitem__)
+        if queued[source] + to_come <= queued[least] + 1:
+            source_of[member] = source
+            queued[source] += to_come
+    resuming = list(source_of)
+    for member in behind:
+        if member in source_of:
+            continue
+        source_of[member] = least = min(sources, key=queued.__getitem__)
+        goes_on = member in cut and cut[member][0] == least  # (given back to its own source after all)
+        queued[least] += cut[member][1] if goes_on else 1
+        resuming += [member] if goes_on else []
+    return source_of, resuming
+
+
+class LineVerdict:
+    """A source's word on a joiner's line the last re-form cut (`Live._lines_resumed`): it goes on, or why not."""
+
+    NOT_MINE, GOES_ON, NO_SNAPSHOT, OTHER_GENERATION, PAST_ITS_END, KEPT_DIFFERS = range(6)
+    WHY = {
+        NO_SNAPSHOT: "its source no longer holds what it sent",
+        OTHER_GENERATION: "its source sent another state since",
+        PAST_ITS_END: "more came than its source sent",
+        KEPT_DIFFERS: "it kept other rounds than its source applied",
+    }
+
+    @classmethod
+    def of(cls, snapshot: Snapshot | None, generation: int, received: int, kept: int, kept_by_now: int) -> int:
+        if snapshot is None:
+            return cls.NO_SNAPSHOT
+        if snapshot.generation != generation:
+            return cls.OTHER_GENERATION
+        if received > snapshot.payload.numel():
+            return cls.PAST_ITS_END
+        return cls.GOES_ON if kept_by_now - snapshot.kept_by_then == kept else cls.KEPT_DIFFERS
 
 
 @dataclass
@@ -688,40 +738,52 @@ class Live:
 
     def _line_to_resume(self) -> list[int]:
         """(A joiner whose line the last re-form cut) its source's id, the generation that began it, the bytes that
-        came, and the steps or round means it kept since: -1s when there is none, or its receive has not ended."""
-        if self._cut is not None and not self._cut[0][0].cut(FORM_S):
-            self._cut = None
+        came (-1: nothing had, so the line starts again), the steps or round means it kept since, and
+        the bytes the line carries; -1s when there is none."""
         if self._cut is None:
-            return [-1, -1, 0, 0]
+            return [-1, -1, 0, 0, 0]
         (incoming, source_id, began), kept, _ = self._cut
-        return [source_id, began, incoming.received, len(kept)]
+        if not incoming.cut():
+            self._cut = None
+            return [source_id, began, -1, len(kept), 0]  # (-1: nothing of it had come: the line starts again)
+        return [source_id, began, incoming.received, len(kept), incoming.payload.numel()]
 
     def _lines_resumed(self, world: Any, rows: torch.Tensor, ids: list[int], behind: list[int], sources: list[int],
-                       step: int) -> dict[int, int]:  # fmt: skip
+                       step: int) -> tuple[dict[int, int], dict[int, str]]:  # fmt: skip
         """The joiners (of `behind`) whose cut line goes on where it was cut, and the source of each: they stand at
         `step` as the others, the source that sent it is one of `sources`, still holds what it sent, and has applied
         since exactly as many steps or round means as the joiner kept (a round that went through on one and not on
-        the other would leave them unlike). Collective: a source says which of its lines it can go on with."""
-        cut = rows[:, HealRow.CUT_SOURCE :].tolist()  # (a line's source id, generation, bytes in, kept count)
+        the other would leave them unlike). Collective: a source says which of its lines it can go on with. Beside
+        them, the joiners whose cut line starts again, and why (the change's record says)."""
+        cut = rows[:, HealRow.CUT_SOURCE :].tolist()  # (a line's source id, generation, bytes in, kept, its bytes)
         sources_by_id = {ids[s]: s for s in sources}
-        candidates = [m for m in behind if int(rows[m, HealRow.NEW]) == HealRow.EMPTY
-                      and int(rows[m, HealRow.STEP]) == step and cut[m][0] in sources_by_id]  # fmt: skip
+        refused, candidates = {}, []
+        for m in behind:
+            if cut[m][0] < 0 or int(rows[m, HealRow.NEW]) != HealRow.EMPTY:
+                continue
+            if cut[m][2] < 0:
+                refused[m] = "nothing of it had come"
+            elif cut[m][0] not in sources_by_id:
+                refused[m] = "its source is gone" if cut[m][0] not in ids else "its source is behind"
+            elif int(rows[m, HealRow.STEP]) != step:
+                refused[m] = f"at step {int(rows[m, HealRow.STEP])}, the others at {step}"
+            else:
+                candidates.append(m)
         if not candidates:
-            return {}
+            return {}, refused
         me, kept_by_now = world.index(), self.strategy.kept_by_now(self.step)
-        holds = []
+        verdicts = []  # (the source's, of each candidate: 0 = not its line; else a LineVerdict)
         for m in candidates:
-            source, generation, received, kept = cut[m]
+            source, generation, received, kept, _ = cut[m]
             snapshot = self._snapshots.get(ids[m]) if sources_by_id[source] == me else None
-            holds.append(
-                snapshot is not None
-                and snapshot.generation == generation
-                and received <= snapshot.payload.numel()
-                and kept_by_now - snapshot.kept_by_then == kept
-            )
+            verdict = LineVerdict.NOT_MINE if sources_by_id[source] != me else LineVerdict.of(snapshot, generation,
+                      received, kept, kept_by_now)  # fmt: skip
+            verdicts.append(verdict)
         with world.unmetered():
-            held = control.gathered(world, torch.tensor(holds, dtype=torch.int64)).sum(dim=0)
-        return {m: sources_by_id[cut[m][0]] for m, h in zip(candidates, held.tolist(), strict=True) if h}
+            said = control.gathered(world, torch.tensor(verdicts, dtype=torch.int64)).sum(dim=0).tolist()
+        said_of = dict(zip(candidates, said, strict=True))
+        refused |= {m: LineVerdict.WHY[v] for m, v in said_of.items() if v != LineVerdict.GOES_ON}
+        return {m: sources_by_id[cut[m][0]] for m, v in said_of.items() if v == LineVerdict.GOES_ON}, refused
 
     def _model_state(self) -> dict[str, Any]:
         """What a healed member must hold exactly as its source: weights, optimizer, the strategy's shared state."""
@@ -775,10 +837,13 @@ class Live:
         # line the last re-form cut, which go on with it, from the source that sent it, for the rest of the round
         step = int(rows[first, HealRow.STEP])
         until, until_resumed = self._sits_out_from(step), self._sits_out_from(step, resuming=True)
-        source_of = {} if until_resumed is None else self._lines_resumed(world, rows, ids, behind, sources, step)
-        resuming = list(source_of)
-        others = [m for m in behind if m not in source_of]
-        source_of |= {member: sources[j % len(sources)] for j, member in enumerate(others)}
+        resumable, restarted = {}, {}
+        if until_resumed is not None:
+            resumable, restarted = self._lines_resumed(world, rows, ids, behind, sources, step)
+        to_come = {m: 1 - int(rows[m, HealRow.CUT_BYTES]) / int(rows[m, HealRow.CUT_TOTAL]) for m in resumable}
+        source_of, resuming = sources_for(behind, sources, {m: (s, to_come[m]) for m, s in resumable.items()})
+        restarted |= {m: "another source had it in sooner" for m in resumable if m not in resuming}
+        others = [m for m in behind if m not in resuming]
         joiners = [m for m in others if int(rows[m, HealRow.NEW]) == HealRow.EMPTY]
         behind_steps = resuming + (joiners if until is not None else [])
         if behind_steps:
@@ -815,11 +880,14 @@ class Live:
                     if member not in later:
                         world.send_bytes(whole, world.ranks[member])
                         sent += whole.numel()
+                lines = []  # (one after another, the lines nearest their end first: `sources_for`)
                 for member in later:
                     payload = self._snapshots[ids[member]].payload
                     start = int(rows[member, HealRow.CUT_BYTES]) if member in resuming else 0
-                    self._sending.append(channel.isend_bytes(payload, world.ranks[member], start))
+                    lines.append((payload, world.ranks[member], start))
                     sent += payload.numel() - start
+                if lines:
+                    self._sending.append(channel.isend_bytes_in_turn(lines))
         elif me in source_of:
             source, source_id = world.ranks[source_of[me]], ids[source_of[me]]
             cut, self._cut = self._cut, None
@@ -865,6 +933,7 @@ class Live:
                 "healed_from": [ids[source_of[i]] for i in behind],
                 "healed_behind": [ids[i] for i in behind_steps],  # (their state came behind the steps)
                 "resumed": [ids[i] for i in resuming],  # (on a line the last re-form cut, where it was cut)
+                "restarted": {str(ids[i]): why for i, why in restarted.items()},  # (a cut line not resumed)
                 "catch_up_bytes": sent,
                 "catch_up_s": round(timing.now() - started, 4),
             })  # fmt: skip
