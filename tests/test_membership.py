@@ -221,6 +221,22 @@ def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 
 
+@pytest.mark.slow
+def test_worker_0_of_an_async_run_killed_the_lowest_live_worker_ends_the_run_and_writes_it(tmp_path, no_orphans):
+    """async-ps: worker 0 may die too. The run goes on, takes a joiner, and worker 1 (the lowest live one) ends the
+    run, evaluates the servers' final weights and writes the whole run folder, worker 0's records included."""
+    run = tmp_path / "run"
+    summary = _kill_one_then_join(run, {"strategy.name": "async-ps"}, 20, None, 4, workers=3, killed=0)  # (3: server)
+    events = summary["membership"]
+    assert [e["members"] for e in events] == [[0, 1, 2], [1, 2], [1, 2, 4]], events
+    assert events[1]["left"] == [{"member": 0, "how": "killed"}] and events[2]["healed_from"] == ["servers"]
+    assert summary["written_by"] == 1 and summary["workers_at_end"] == 3 and summary["servers"] == 1
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["worker"] for r in records} >= {0, 1, 2, 4}
+    assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
+    assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
+
+
 @pytest.mark.parametrize(
     "strategy",
     [

@@ -149,7 +149,6 @@ class Deployment:
     live: bool  # live membership (fast.runtime.membership)
     min_workers: int  # a live run with fewer ends (run.min_workers)
     max_workers: int  # a live run admits no joiner past it (run.max_workers; 0: 256)
-    needs_worker_0: bool  # a live run cannot go on without worker 0: it gathers a detached run's end (joins_alone)
     churn: ChurnPlan | None  # [faults] churn drives the live membership
     survivable: bool  # the run goes on when a worker but worker 0 dies (in a live run, any worker)
 
@@ -201,7 +200,6 @@ def deployment_of(config: Config, strategy: type[Strategy], options: StrategyOpt
         live=run.live,
         min_workers=run.min_workers,
         max_workers=run.max_workers,
-        needs_worker_0=strategy.joins_alone,
         churn=None
         if churn is None
         else ChurnPlan(churn.leave, parse_duration(churn.lifetime), parse_duration(churn.absence), run.seed),

@@ -180,9 +180,7 @@ class LinkDown(_Table):
 class Churn(_Table):
     """Workers that leave and come back at random, each on its own exponential clock (run.membership = "live")."""
 
-    lifetime: str | float = Field(
-        description="a worker's mean time in the run before it leaves (worker 0 too, but async-ps's)"
-    )
+    lifetime: str | float = Field(description="a worker's mean time in the run before it leaves (worker 0 too)")
     absence: str | float = Field(description="its mean time away before it comes back, through `fast join`")
     leave: Literal["kill", "term"] = Field(
         "kill", description='"kill": SIGKILL, a crash; "term": SIGTERM, a clean leave'

@@ -70,7 +70,7 @@ class ChurnDriver:
         while not self._closing.wait(0.1):
             now = time.monotonic()
             for member in self.coordinator.members:
-                if (member or not self.coordinator.needs_worker_0) and member not in self.leaves:
+                if member not in self.leaves:
                     self.leaves[member] = now + self.draws.lifetime()
             for member, at in list(self.leaves.items()):
                 if at <= now and at != float("inf") and member in self.coordinator.members:

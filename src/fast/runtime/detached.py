@@ -7,9 +7,10 @@ the run, and their death ends it. A worker joins by forming its line and pulling
 the live state, so no other worker waits for it; a founder's first pull is the run's start. Batches come from the
 run's work queue, an atomic counter in the store through each epoch's order: no sample is taken twice, none is
 lost but the batch a dying worker held, and uneven workers balance themselves. A worker that leaves or dies fails
-its own line only. The members meet once, at the end, through the store: worker 0 ends the run (run.max_time, the
-data, `fast stop`), the others stop before their next batch, hand their last gradients in, take the final weights,
-and leave their figures in the store for worker 0's summary.
+its own line only. The members meet once, at the end, through the store: the lowest live member (worker 0 while it
+lives: `Job.is_main`) ends the run (run.max_time, the data, `fast stop`), the others stop before their next batch,
+hand their last gradients in, take the final weights, and leave their figures in the store for its summary. Any
+worker may die; only the servers' start is worker 0's (the layout and the first weights, on its line).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fast.runtime.ending import write_outputs
 from fast.runtime.live import fingerprint
 from fast.runtime.membership import (
     FORM_S,
+    HEARTBEAT_S,
     POLL_S,
     PREFIX,
     SILENT_S,
@@ -186,8 +188,8 @@ class Detached:
 
     # -- the work queue ----------------------------------------------------------------------------------------
     def _take_batch(self, per_epoch: int) -> tuple[int, int] | None:
-        """The next batch of the run's work queue as (epoch, index in it); None once this worker stops (worker 0
-        ended the run, `fast stop`, or the planned epochs are taken)."""
+        """The next batch of the run's work queue as (epoch, index in it); None once this worker stops (the lowest
+        live member ended the run, `fast stop`, or the planned epochs are taken)."""
         if self.member.ending_seen() or self.member.stopping():
             self._stopping = True
         if self.stopped:
@@ -207,20 +209,47 @@ class Detached:
         self._claimed = None
 
     # -- the end ---------------------------------------------------------------------------------------------------
-    def _gather_through_store(self, model: Any) -> dict[str, Any] | None:
-        """Each worker leaves its figures in the store; worker 0 takes every member's that is still in the run
-        (waiting while its heartbeat goes on) and the servers', and writes the outputs."""
-        own = self._own_figures()
+    def _gather_through_store(self, final: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+        """Each worker leaves its figures in the store and waits until the outputs are written. The lowest live
+        member (worker 0, unless it is gone: then the next) evaluates with `final`, takes every member's figures
+        that is still in the run (waiting while its heartbeat goes on), the departed ones' records and the servers'
+        figures, and writes the outputs; should it go before it has, the next lowest does."""
         if self.is_server:
+            own = self._own_figures()
             self.server_lines.store.set(PREFIX + f"server-end/{self.rank}", json.dumps(own))
             return None
-        if not self.is_main:
-            self.run_store.set(PREFIX + f"end/{self.rank}", json.dumps(own))
-            return None
+        left = False
+        while not self.is_main:
+            if not left:
+                self.run_store.set(PREFIX + f"end/{self.rank}", json.dumps(self._own_figures()))
+                left = True
+            if read_key(self.run_store, "written") is not None:
+                return None
+            time.sleep(HEARTBEAT_S)
+        model = final() if final is not None else None
+        own = self._own_figures()
         everyone = [own, *self._figures_of_members(), *self._figures_of_servers()]
         self.workers = len([p for p in everyone if not p["server"]])
         self.membership = self._membership_record(everyone)
-        return write_outputs(self.run_dir, everyone, model, self._summarize(everyone))
+        departed = self._departed_records(everyone)
+        self._add_evaluations([r for r in departed if r.get("kind") == "eval"])
+        summary = write_outputs(self.run_dir, [*everyone, {"records": departed}], model, self._summarize(everyone))
+        self.member.wrote()
+        return summary
+
+    def _lowest_live(self) -> int:
+        """The member that does worker 0's duties (`Job.is_main`): the lowest of the newest generation not gone.
+        (While the run ends no generation is published: a member that dies then is seen gone by its silence.)"""
+        for member in self.member.generation(self.member.newest()).members:
+            if member == self.rank or not self._gone(member):
+                return member
+        return self.rank
+
+    def _gone(self, member: int) -> bool:
+        """Whether `member` has left, or its heartbeat is silent (for SILENT_S, or never began)."""
+        beat = read_key(self.run_store, f"heartbeat/{member}")
+        left = read_key(self.run_store, f"leave/{member}") is not None
+        return left or beat is None or time.time() - beat_time(beat, time.time()) > SILENT_S
 
     def _close_lines(self) -> None:
         lines = self.server_lines.lines.values() if self.is_server else [self.world]
@@ -234,10 +263,8 @@ class Detached:
             if member == self.rank:
                 continue
             while (figures := read_key(store, f"end/{member}")) is None:
-                beat = read_key(store, f"heartbeat/{member}")
-                left = read_key(store, f"leave/{member}") is not None
-                if left or beat is None or time.time() - beat_time(beat, time.time()) > SILENT_S:
-                    break  # gone: its figures with it
+                if self._gone(member):
+                    break  # its figures with it
                 time.sleep(POLL_S)
             if figures is not None:
                 found.append(json.loads(figures))

@@ -201,10 +201,8 @@ class Ending:
         self.records.close()
         if self.strategy.survives_failures and not self.live:  # (a live run's members end together)
             return self._gather_from_survivors()
-        if self.detached:  # worker 0 alone evaluates the servers' final weights, which every worker holds
-            if self._eval_fn is not None:
-                self._evaluate(self._eval_fn, final=True)
-            return self._gather_through_store(self.model if self.is_main else None)
+        if self.detached:  # the member that writes the outputs evaluates the servers' final weights, which all hold
+            return self._gather_through_store(self._evaluated_final_weights)
         model = None
         if self._eval_fn is not None:
             self._evaluate(self._eval_fn, final=True)
@@ -214,9 +212,16 @@ class Ending:
                 model = self.strategy.final_model()
         return self._gather_and_write(model)
 
+    def _evaluated_final_weights(self) -> nn.Module:
+        """(A detached run's member that writes the outputs) the end's evaluation of the servers' final weights,
+        which every worker holds; the model to save."""
+        if self._eval_fn is not None:
+            self._evaluate(self._eval_fn, final=True)
+        return self.model
+
     def _finish_server(self) -> None:
         if self.detached:
-            self._gather_through_store(None)
+            self._gather_through_store()
         elif self.strategy.survives_failures:
             self._gather_from_survivors()
         else:

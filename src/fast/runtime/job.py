@@ -366,11 +366,12 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
     def is_main(self) -> bool:
         """Whether this process does worker 0's duties: evaluations, the outputs and the summary, the end of the run.
         Worker 0's; in a live run, the first member of the generation this member is in (the lowest live id), so
-        that they pass on when worker 0 dies (fast.runtime.live). A detached run's stay worker 0's."""
+        that they pass on when worker 0 dies (fast.runtime.live); a detached run's lowest live member, as the store
+        says now (fast.runtime.detached)."""
         generation = getattr(self, "generation", None)
-        if generation is None or not self.live or self.detached:
+        if generation is None or not self.live or self.is_server:
             return self.rank == 0
-        return generation.members[0] == self.rank
+        return (self._lowest_live() if self.detached else generation.members[0]) == self.rank
 
     @property
     def worker_processes(self) -> int:
@@ -439,7 +440,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         self.throughput = Throughput(self.device)
         if self.throughput.wanted:
             self.driver.on_first_batch = self.throughput.first_batch
-        if self.world_size > self.worker_processes and self.is_main:
+        if self.world_size > self.worker_processes and self.rank == 0:  # (the servers' start: worker 0's)
             layout = ModelLayout.of(model)
             servers = range(1, self.world.size) if self.detached else range(self.workers, self.world_size)
             with self.world.unmetered():

@@ -93,11 +93,9 @@ class Generation:
         return cls(**json.loads(text))
 
 
-def why_it_ends(members: list[int], min_workers: int, needs_worker_0: bool = False) -> str | None:
+def why_it_ends(members: list[int], min_workers: int) -> str | None:
     """Why a run whose members are `members` cannot go on, or None. Any member may go: the lowest live one does
-    worker 0's duties (fast.runtime.live); but a detached run's worker 0 gathers its end (`needs_worker_0`)."""
-    if needs_worker_0 and 0 not in members:
-        return "worker 0, which gathers a detached run's end, is gone: the run cannot go on"
+    worker 0's duties (fast.runtime.live, fast.runtime.detached)."""
     if len(members) < min_workers:
         return f"{len(members)} workers remain, fewer than run.min_workers = {min_workers}: the run cannot go on"
     return None
@@ -177,7 +175,6 @@ class Coordinator:
 
     def __init__(self, run_dir: Path, config: Config, deployment: Deployment, addr: str) -> None:
         self.run_dir, self.config, self.deployment = run_dir, config, deployment
-        self.needs_worker_0 = deployment.needs_worker_0
         secret = secrets.token_bytes(32)
         self.server = RunStoreServer(addr, deployment.port, secret)
         self.access = Access(addr, self.server.port, secret)
@@ -304,7 +301,7 @@ class Coordinator:
         gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
         self.members = members
-        failed = why_it_ends(members[::k], self.deployment.min_workers, self.needs_worker_0)
+        failed = why_it_ends(members[::k], self.deployment.min_workers)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed, suspected))
 
     def _departures(self, store: Any) -> list[dict[str, Any]]:

@@ -93,14 +93,14 @@ def _launch_live(fn: Any, config: Config, deployment: Deployment, run_dir: Path,
     """A live run: this launcher keeps its membership (fast.runtime.membership) while its founders train; any
     founder may die, worker 0 too (the lowest live member does its duties), others join with `fast join`, and the
     run goes on while a member is left, until one writes its outputs. (A detached strategy's servers take the ids
-    after the workers', and its worker 0 must stay: fast.runtime.detached.)"""
+    after the workers': fast.runtime.detached.)"""
     coordinator = Coordinator(run_dir, config, deployment, addr)
     churn = ChurnDriver(run_dir, deployment.churn, coordinator) if deployment.churn is not None else None
     try:
         outputs = launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
                          survivable=True, extra_env={**(extra_env or {}), **coordinator.environment()},
                          on_exit=coordinator.exited, together=deployment.shards,
-                         goes_on=None if deployment.needs_worker_0 else coordinator.wait_for_the_end)  # fmt: skip
+                         goes_on=coordinator.wait_for_the_end)  # fmt: skip
         writer, summary = coordinator.writer, run_dir / "summary.json"
         if writer is not None and writer not in outputs and summary.is_file():  # a joiner's (`fast join`'s) process
             outputs[writer] = json.loads(summary.read_text())
