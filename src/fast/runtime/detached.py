@@ -174,6 +174,10 @@ class Detached:
         started, before = timing.now(), self.world.counter.bytes_received
         position = int(self.run_store.add(PREFIX + QUEUE, 0))
         if self.joining:
+            # the run's time goes on from its start, not from this joiner's (churn that replaces every founder does
+            # not push run.max_time back)
+            now = time.time()
+            self._run_time_offset = max(0.0, now - beat_time(read_key(self.run_store, "started"), now))
             self.strategy.catch_up()
             self.records.add({"worker": self.rank, "kind": "healed", "step": self.step, "from": "servers",
                               "generation": self.generation.number, "batch": position, "time_s": 0.0,

@@ -591,7 +591,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         elif self.lockstep and self._check_due(done):
             self._owed = done  # taken at the next decision: the next batch, the next step, or job.finish
         elif self.strategy.stops_alone and self.config.run.max_time_s is not None:
-            self._stopping = self._stopping or self.trained_s >= self.config.run.max_time_s
+            self._stopping = self._stopping or self._run_time(self.trained_s) >= self.config.run.max_time_s
         checkpoints = self.config.run.checkpoint_every
         # written once the step is logged (job.log), or before the next step: so that it holds the step's record
         self._checkpoint_due = bool(checkpoints and done % checkpoints == 0 and not self.stopped)

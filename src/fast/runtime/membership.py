@@ -509,8 +509,9 @@ class Member:
         return self._ending
 
     def started(self) -> None:
-        """Worker 0 has started training (for a run whose members form no group until the end)."""
-        self.store.set(PREFIX + "started", "1")
+        """Worker 0 has started training (for a run whose members form no group until the end): when, on the wall
+        clock, from which a joiner's run time counts."""
+        self.store.set(PREFIX + "started", repr(time.time()))
 
     def report(self, figures: Callable[[], dict[str, Any]]) -> None:
         """Leave `figures()` (JSON) in the store with each heartbeat and on leaving: what the run's summary counts of
