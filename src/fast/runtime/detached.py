@@ -222,11 +222,11 @@ class Detached:
             own = self._own_figures()
             self.server_lines.store.set(PREFIX + f"server-end/{self.rank}", json.dumps(own))
             return None
-        left = False
+        handed_in = False
         while not self.is_main:
-            if not left:
+            if not handed_in:
                 self.run_store.set(PREFIX + f"end/{self.rank}", json.dumps(self._own_figures()))
-                left = True
+                handed_in = True
             if read_key(self.run_store, "written") is not None:
                 return None
             time.sleep(HEARTBEAT_S)

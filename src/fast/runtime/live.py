@@ -101,8 +101,8 @@ def sources_for(
     another (`Comm.isend_bytes_in_turn`), so a member's state is in once its source has sent what comes before it:
     a line goes on at its source, the nearest its end first, unless another source with less to send would have
     the whole state in sooner; every other member goes to the source with least to send (a cut line that lands
-    on its own source goes on there). A joiner in then sends
-    at the next heal: the holders double, where states sent side by side would all come in at the end."""
+    on its own source goes on there). A joiner in then sends at the next heal: the holders double, where states
+    sent side by side would all come in at the end."""
     queued = dict.fromkeys(sources, 0.0)  # (states each source has to send)
     source_of = {}
     for member, (source, to_come) in sorted(cut.items(), key=lambda line: line[1][1]):
