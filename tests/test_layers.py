@@ -96,3 +96,30 @@ def test_no_import_cycle():
     for module in sorted(graph):
         if module not in seen:
             visit(module)
+
+
+JOB_SECTIONS = {"data", "model", "step", "eval", "optimizer", "schedule", "strategy", "package"}
+# who may read a job's sections from its config: fast.parts and fast.assemble resolve it once into the parts; a
+# strategy checks its own options against them (and reads `ctx.config`, its documented view); the tools that price
+# and compare configs work on configs, not on a job
+READS_JOB_SECTIONS = ("fast.parts", "fast.assemble", "fast.config", "fast.strategies", "fast.pricing",
+                      "fast.tools.predict", "fast.tools.comparison")  # fmt: skip
+
+
+def test_below_the_parts_nobody_reads_a_jobs_sections_from_its_config_again():
+    """A job is resolved once (fast.parts): the runtime, the loop and the rest receive its parts, and read only
+    `[run]` (and the deployment's own tables) from the config."""
+    reads = []
+    for path in (SRC / "fast").rglob("*.py"):
+        module = module_name(path)
+        if module.startswith(READS_JOB_SECTIONS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr in JOB_SECTIONS):
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("config", "cfg")) or (
+                isinstance(owner, ast.Attribute) and owner.attr == "config"
+            ):
+                reads.append(f"{path.relative_to(ROOT)}:{node.lineno} reads `{ast.unparse(node)}`")
+    assert not reads, "read the job's parts instead:\n" + "\n".join(reads)

@@ -373,10 +373,10 @@ def _refusals(run: Path, tmp_path: Path) -> None:
     ]
 
 
-def _reference_weights(run: Path, events: list[dict], steps: int, sat_out: range) -> dict[str, torch.Tensor]:
+def _reference_weights(run: Path, events: list[dict], steps: int, *sat_out: range) -> dict[str, torch.Tensor]:
     """Plain SGD in this process over the batches a live run's members took: at each step, the next
-    n * batch_size samples of the epoch's order, n the members of that step's generation (but a joiner in the
-    steps it `sat_out`, its state coming)."""
+    n * batch_size samples of the epoch's order, n the members of that step's generation (but the joiners in the
+    steps each `sat_out`, its state coming)."""
     parts = resolve(run / "config.toml")
     config = parts.config
     train, _ = load_data(parts.data)
@@ -386,7 +386,7 @@ def _reference_weights(run: Path, events: list[dict], steps: int, sat_out: range
     b, epoch, cursor = config.run.batch_size, 0, 0
     order = epoch_order(len(x), config.run.seed, epoch, 0)
     for step in range(steps):
-        n = len([e for e in events if e["step"] <= step][-1]["members"]) - (step in sat_out)
+        n = len([e for e in events if e["step"] <= step][-1]["members"]) - sum(step in steps for steps in sat_out)
         if cursor + n * b > len(x):
             epoch, cursor = epoch + 1, 0
             order = epoch_order(len(x), config.run.seed, epoch, 0)
@@ -586,6 +586,56 @@ def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_ave
     first = [r["loss"] for r in steps_of[0] if "loss" in r][0]
     assert mine[0]["loss"] < 0.5 * first, (mine[0]["loss"], first)
     assert summary["final_test_accuracy"] > 0.85, summary["final_test_accuracy"]
+
+
+def test_sync_joiners_each_enter_once_their_own_state_is_in_and_the_run_equals_sgd_over_those_that_took_data(
+    tmp_path, no_orphans
+):
+    """Two sync joiners healed in turn from the one member left (a slow link: the second's state comes a few steps
+    after the first's): the first enters as soon as its own state is in, while the second still sits out, so the
+    members that take data are not the first ones of the group; each takes its place among them, and the weights
+    are plain SGD's over the batches of the members that took data at each step."""
+    run = tmp_path / "run"
+    slow = {"network.bandwidth": "2Mbit", "network.latency": "2ms"}
+    proc = _start(run, {"run.workers": 2, "run.max_time": "300s", "strategy.name": "sync", "optimizer.name": "adamw",
+                        "optimizer.lr": 0.003, **slow})  # fmt: skip
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    joiners = []
+    try:
+        _wait_for_step(run, 10, proc)
+        _worker(proc.pid, 1).send_signal(signal.SIGTERM)
+        joiners = [subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
+                   for _ in range(2)]  # fmt: skip
+        end = time.monotonic() + 180
+        while _steps(run, 2) < 3 or _steps(run, 3) < 3:
+            assert all(j.poll() is None for j in joiners) and time.monotonic() < end, [j.communicate() for j in joiners]
+            time.sleep(0.05)
+        stopped = subprocess.run([FAST, "stop", str(run)], capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stderr
+        for joiner in joiners:
+            joiner.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        for p in (proc, *joiners):
+            if p.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.wait()
+    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners), err
+    summary = json.loads((run / "summary.json").read_text())
+    events = summary["membership"]
+    assert events[-1]["members"] == [0, 2, 3], events
+    entered = {}
+    for member in (2, 3):
+        (healed,) = _healed(run, member)
+        assert healed["behind"] and healed["fingerprint"] == healed["source_fingerprint"], healed
+        joined = next(e for e in events if member in e["joined"])
+        entered[member] = range(joined["step"], healed["step"])  # it sat these steps out, its state coming
+    first, second = sorted(entered.values(), key=lambda steps: steps.stop)
+    assert first.stop < second.stop, entered  # the first in took data while the second sat out
+    expected = _reference_weights(run, events, summary["steps_per_worker"], *entered.values())
+    trained = torch.load(run / "model.pt", weights_only=True)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
 
 
 STUCK_MEMBER = """

@@ -108,6 +108,7 @@ class EvaluationPart:
     batch_size: int
     samples: int
     score_metric: str
+    replicas: int | None  # the replicas evaluated at the end (eval.replicas; None: the runtime's default)
     packed: Packed | None
 
 
@@ -252,6 +253,7 @@ def resolve(config: Any, user: UserCode | None = None, **overrides: Any) -> JobP
             evaluation.batch_size,
             evaluation.samples,
             run.parsed_targets[0].metric if run.targets else "accuracy",
+            evaluation.replicas,
             packed,
         ),  # fmt: skip
         optimizer=OptimizerPart(config.optimizer, config.schedule),

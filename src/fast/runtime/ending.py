@@ -285,7 +285,7 @@ class Ending:
         default every worker's in a run of processes, which evaluate at once, at most SIMULATED_OWN_EVALUATIONS in a
         simulated one, whose host evaluates them one after another: a full test set each, at 1,024 workers ten
         minutes of LeNet on 2 cores where its training took one)."""
-        most = self.config.eval.replicas or (SIMULATED_OWN_EVALUATIONS if self.simulated else None)
+        most = self.parts.evaluation.replicas or (SIMULATED_OWN_EVALUATIONS if self.simulated else None)
         return most is None or self.replica_index % -(-self.config.run.workers // most) == 0
 
     def _gather_and_write(self, model: nn.Module | None) -> dict[str, Any] | None:
@@ -520,7 +520,7 @@ class Ending:
         differ = self.strategy.replicas_differ
         summary: dict[str, Any] = {
             "name": run.name,
-            "strategy": config.strategy.name,
+            "strategy": self.parts.options.name,
             "codec": config.codec.name,
             "workers": run.workers,
             "servers": len(everyone) - len(trainers),

@@ -165,7 +165,7 @@ def _alone(parts: JobParts) -> JobParts:
     config = parts.config
     if parts.deployment.servers:
         raise ConfigError(
-            f"strategy {config.strategy.name!r} needs server processes: start the script with "
+            f"strategy {parts.options.name!r} needs server processes: start the script with "
             f"`fast run --workers {config.run.workers} SCRIPT` (or torchrun)"
         )
     if parts.deployment.shards > 1:
@@ -224,7 +224,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         self.is_server = self.rank >= self.worker_processes and (not self.live or (self.detached and founder))
         self.is_worker = not self.is_server
         self.finished = False
-        strategy_name = config.strategy.name
+        strategy_name = parts.options.name
         servers = self.world_size - self.worker_processes
         role = f"server {self.rank - self.worker_processes + 1}/{servers}" if self.is_server else (
             f"worker {self.rank}/{self.workers}" if self.shards == 1 else
@@ -401,7 +401,7 @@ class Job(Evaluating, Checkpointing, Ending, Live, Detached, Sharded):
         fast.runtime.live)."""
         sitting_out = self._sitting_out
         if sitting_out is not None and self.step < sitting_out[0]:
-            return (self.workers - sitting_out[1]) * self.batch_size
+            return (self.workers - len(sitting_out[1])) * self.batch_size
         return self.workers * self.batch_size
 
     @property

@@ -26,9 +26,9 @@ level with the others (summary `membership`: `healed_behind`). A state slower th
 joiner keeps what the round's mean gave, sits rounds out until the state is in (the members learn at each round's
 start whether one still waits), and then applies the kept means as every member did. A joiner of `sync` (FAST's own
 loop, without a codec) likewise takes each step's all-reduce without data until its state is in, keeping the step's
-averaged gradients; the members learn at each step's round whether one still waits (the joiners of one heal enter
-together). Once the states are in, each applies its kept gradients as every member applied them (the same skips,
-clipping, learning rates), and takes the step with data: that step is the only one that waits for it. A joiner whose
+averaged gradients; the members learn at each step's round which still wait. Each enters as soon as its own state
+is in: it applies its kept gradients as every member applied them (the same skips, clipping, learning rates), and
+takes the step with data: that step is the only one that waits for it. A joiner whose
 kept gradients would pass `KEPT_BYTES` stops waiting on the others' steps and takes its state at once. A generation
 that only adds members waits for the joiners whose state is under way (a re-form would cut that state's line), for
 a round at most (a periodic joiner then takes its state before the round's mean); one that loses a member does
@@ -37,8 +37,8 @@ sent: when both are in the new group and the joiner kept exactly what every memb
 round means), the rest comes on the new group's line, and the joiner goes on sitting out (for the periodic family,
 the rest of the round under way, whatever its step); otherwise it is healed again from the start.
 
-The data of a live run is one cursor through each epoch's order, the same on every member: at each step the
-member of rank r of n takes the r-th of the next n batches, so a change of membership moves no sample.
+The data of a live run is one cursor through each epoch's order, the same on every member: at each step the r-th of
+the n members that take data takes the r-th of the next n batches, so a change of membership moves no sample.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ class Live:
     """The live-membership part of a Job (only used when `run.membership = "live"`)."""
 
     # the steps sat out by the joiners whose state comes behind the others' steps: (the step they end before, or
-    # UNTIL_STATE_COMES for sync's, how many)
-    _sitting_out: tuple[int, int] | None = None
+    # UNTIL_STATE_COMES for sync's, their places in the group)
+    _sitting_out: tuple[int, tuple[int, ...]] | None = None
     # (a joiner's) that state under way, its source's id, and the generation whose heal began it
     _coming: tuple[IncomingBytes, int, int] | None = None
     # (a joiner's) that line as a re-form cut it, and what it had kept: the next heal may resume it
@@ -310,7 +310,7 @@ class Live:
             network.start_clock()
         self.world = self.comm = world
         self.world_size, self.workers = n, n // self.shards  # (a replica is K members: fast.runtime.membership)
-        self.control = Control(control, rank, False, self.config.strategy.name)
+        self.control = Control(control, rank, False, self.parts.options.name)
         if self.shards > 1:
             self._reform_shard_groups()  # the replica's groups, and its sharded model moved onto them
         world.barrier()
@@ -363,7 +363,7 @@ class Live:
             if not answer.any(0) or (answer.total(3) and not answer.any(4)):
                 self._switch_waits = answer.any(0)
                 self._boundary_at = self.step
-                if self._takes_the_step(answer.total(3)):
+                if self._takes_the_step(answer):
                     return
                 continue  # a step sat out, or a re-form (a peer went meanwhile, healed): the boundary again
             if self._coming is not None and not answer.any(4) and not self._take_state_behind():
@@ -398,17 +398,17 @@ class Live:
                 self._unagreed = self._as_applied()[0]
             raise
 
-    def _takes_the_step(self, waiting_members: int) -> bool:
+    def _takes_the_step(self, answer: Answer) -> bool:
         """After the boundary's round: whether this member takes the step now, not a joiner sitting out (a round of
-        the periodic family; a step of sync while `waiting_members` say their state is not in yet: the joiners of
-        one heal enter together, so that the members that take data are always the first ones of the group)."""
+        the periodic family; a step of sync while its own state is not in: each sync joiner enters when its state is,
+        and the round's `answer` says every member which still wait)."""
         if self._sitting_out is None or self._sitting_out[0] != UNTIL_STATE_COMES:
-            return self._between_rounds(waiting_members)
-        if not waiting_members:
-            self._sitting_out = None
+            return self._between_rounds(answer.total(3))
+        waiting = tuple(place for place, flags in enumerate(answer.flags) if flags[3])
+        self._sitting_out = (UNTIL_STATE_COMES, waiting) if waiting else None
         if self._kept is None:
             return True
-        ending = not waiting_members or self.stopped
+        ending = self.world.index() not in waiting or self.stopped
         if self._coming is not None and (ending or self._kept_bytes >= KEPT_BYTES) and not self._take_state_behind():
             return False  # a peer went meanwhile: re-formed and healed
         if not ending:
@@ -416,6 +416,16 @@ class Live:
             return False
         self._kept = None
         return True
+
+    @property
+    def data_place(self) -> int:
+        """This member's place among the members that take data at this step (the r-th takes the r-th of the step's
+        batches): joiners sitting out take none, wherever they stand in the group."""
+        place = self.world.index() // self.shards
+        sitting = self._sitting_out
+        if sitting is None or self.step >= sitting[0]:
+            return place
+        return place - sum(1 for other in sitting[1] if other < place)
 
     def _between_rounds(self, waiting_members: int) -> bool:
         """(The periodic family) after a round's boundary round: joiners that sat a round out sit the next one out
@@ -847,7 +857,7 @@ class Live:
         joiners = [m for m in others if int(rows[m, HealRow.NEW]) == HealRow.EMPTY]
         behind_steps = resuming + (joiners if until is not None else [])
         if behind_steps:
-            self._sitting_out = (until_resumed if resuming else until, len(behind_steps))
+            self._sitting_out = (until_resumed if resuming else until, tuple(behind_steps))
             channel = world.separate_group()  # (collective) the states' own line, beside the round's exchanges
         sent = 0
         # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every

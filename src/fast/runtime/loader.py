@@ -229,7 +229,7 @@ class ShardedLoader:
                 return
             if job._epoch_over(len(order)):  # for every member at once
                 return
-            start = job.data_cursor + job.world.index() // job.shards * b + self.part  # (a shard's slice)
+            start = job.data_cursor + job.data_place * b + self.part  # (a shard's slice)
             self.taken += 1
             yield next(self._fetch([order[start : start + self.slice]]))
 

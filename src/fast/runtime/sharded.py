@@ -163,6 +163,6 @@ class Sharded:
         laid_by_shard = strategy_state.by_shard(extra["strategy"])
         if saved != self.shards and laid_by_shard:
             raise ConfigError(f"resuming at run.shards = {self.shards} from checkpoints of {saved} shards: strategy "
-                              f"{self.config.strategy.name!r} keeps {laid_by_shard[0]} laid out by shard, which does "
+                              f"{self.parts.options.name!r} keeps {laid_by_shard[0]} laid out by shard, which does "
                               f"not reshard: resume at run.shards = {saved}")  # fmt: skip
         return {**extra, "strategy": strategy_state.join(extra["strategy"], flats)}
