@@ -38,6 +38,16 @@ def _killed_at_step(model, x, y):
 _killed_at_step.calls = 0
 
 
+def _raises_at_step(model, x, y):
+    _raises_at_step.calls += 1
+    if os.environ["RANK"] == "2" and _raises_at_step.calls == DIES_AT:
+        raise ValueError("worker 2's own bug")
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+_raises_at_step.calls = 0
+
+
 @pytest.mark.nondeterministic
 @pytest.mark.parametrize(
     "strategy",
@@ -60,6 +70,19 @@ def test_a_worker_killed_mid_run_is_dropped_and_the_survivors_finish(tmp_path, n
     assert summary["final_test_accuracy"] > 0.7  # over 10 seeds, the lowest: async-ps 0.82 (sd 0.035)
     assert summary["evaluations"][-1]["step"] == summary["steps_per_worker"]
     assert (tmp_path / "model.pt").exists()
+
+
+def test_a_worker_whose_own_code_raises_is_named_at_once_with_its_traceback_and_the_survivors_finish(
+    tmp_path, no_orphans, capfd
+):
+    """The run goes on without it, and ends well: its error is said when it happens, not lost with the run's end."""
+    gossip = {"strategy__name": "gossip", "strategy__topology": "ring", "run__epochs": 1}
+    summary = fast.train(None, out=str(tmp_path), step_fn=_raises_at_step, **{**JOB, **gossip})
+    err = capfd.readouterr().err
+    assert [f["worker"] for f in summary["failures"]] == [2]
+    said = [line for line in err.splitlines() if line.startswith("fast: worker 2 failed")]
+    assert said == ["fast: worker 2 failed: ValueError: worker 2's own bug; the others go on without it"], err
+    assert err.count("Traceback") == 1 and "_raises_at_step" in err, err
 
 
 @pytest.mark.nondeterministic

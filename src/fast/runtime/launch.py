@@ -344,6 +344,8 @@ def launch(
                 if on_exit is not None and on_exit(rank, proc.exitcode):
                     told_to_go.add(rank)
                 fatal = not survivable or (rank == 0 and goes_on is None)
+                if proc.exitcode != 0 and not fatal and rank not in told_to_go:
+                    _going_on_without(rank, _receive_now(results, outputs).get(rank))
                 # the process that wrote the outputs: rank 0; a live run's, the member that did its duties
                 wrote = rank == 0 if goes_on is None else isinstance(_receive_now(results, outputs).get(rank), dict)
                 if proc.exitcode != 0 and fatal and settle_until is None:
@@ -581,6 +583,16 @@ def _drain(results: dict[Any, int]) -> dict[int, Any]:
     for reader in [r for r in results if r.poll()]:
         out.update(_receive(results, reader))
     return out
+
+
+def _going_on_without(rank: int, value: Any) -> None:
+    """(A run that survives a failure) a process's own error, said at once: else it would show only at the run's
+    end, or never once the run ends well. Its traceback is shown here, once."""
+    if isinstance(value, Failure) and not value.secondary:
+        print(f"fast: worker {rank} failed: {value.message}; the others go on without it", file=sys.stderr, flush=True)
+        if value.traceback:
+            print(value.traceback, file=sys.stderr, end="", flush=True)
+            value.traceback = None
 
 
 def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> Failure | None:
