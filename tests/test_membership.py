@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -703,6 +704,33 @@ def test_a_generation_a_member_found_broken_ends_every_wait_in_it(tmp_path):
         assert waiting._superseded() is None
     finally:
         member.close()
+        coordinator.close()
+
+
+def test_a_generation_held_up_by_a_member_whose_step_stands_still_asks_it_for_its_stacks(tmp_path, capfd):
+    """A generation waits for its members to arrive; one that has not, a third of run.deadline_s on, while its step
+    stands still (not one between its steps, which arrives at its next change point), is asked once for its threads'
+    stacks and named on stderr: a stall under churn then says where the member is held."""
+    parts = resolve({"run": {"workers": 2, "membership": "live", "deadline_s": 1.5}, "data": {"name": "digits"},
+                     "model": {"name": "mlp"}})  # fmt: skip
+    coordinator = Coordinator(tmp_path, parts.config, parts.deployment, "127.0.0.1")
+    members = [Member(coordinator.access, m, 5.0) for m in (0, 1)]
+    steps, asked = [0, 7], {0: threading.Event(), 1: threading.Event()}
+    try:
+        for m, member in enumerate(members):
+            member.report(lambda m=m: {"counter": None, "step": steps[m]})
+            member.on_late(asked[m].set)
+        end = time.monotonic() + 10
+        while not asked[1].is_set() and time.monotonic() < end:
+            steps[0] += 1  # worker 0 steps, between its change points; worker 1 does not
+            time.sleep(0.1)
+        assert asked[1].is_set() and not asked[0].is_set()
+        err = capfd.readouterr().err
+        assert err.count("fast: generation 0 has waited") == 1 and "for worker 1, whose step has not moved" in err
+        assert str(tmp_path / "workers" / "late-1.txt") in err, err
+    finally:
+        for member in members:
+            member.close()
         coordinator.close()
 
 

@@ -432,6 +432,7 @@ class Ending:
         # on the servers: always)
         return {"rank": self.rank, "counter": world.counter.snapshot() if world is not None else None,
                 "samples": driver.samples if driver is not None else 0,
+                "step": driver.step if driver is not None else None,  # (whether it steps: `Coordinator`)
                 "holds_state": bool(getattr(self, "_holds_state", True))}  # fmt: skip
 
     def _changes(self) -> list[dict[str, Any]]:

@@ -232,6 +232,8 @@ class Live:
         # what the members trained on, as each reported it at the next boundary (run.max_samples, the summary's)
         self.samples_trained, self._samples_reported = 0, 0
         self.member.report(self._reported_figures)
+        if not self.simulated:
+            self.member.on_late(self._late_stacks)
         if self.joining:
             self.member.ready()
         self._reforming = Reforming()
@@ -630,6 +632,12 @@ class Live:
               flush=True)  # fmt: skip
         report_left(self.member.access, self.rank, f"stuck re-forming for {patience_s:g}s")  # (a connection of its own)
         os._exit(STUCK_EXIT_CODE)
+
+    def _late_stacks(self) -> None:
+        """(The coordinator asked: a generation waits for this member, whose step stands still) its threads' stacks,
+        beside its records, to say where it is held."""
+        with open(self.run_dir / "workers" / f"late-{self.rank}.txt", "w") as out:
+            faulthandler.dump_traceback(out, all_threads=True)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:

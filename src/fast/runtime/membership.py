@@ -195,6 +195,9 @@ class Coordinator:
         self._closing = threading.Event()
         self._started = False
         self.writer: int | None = None  # the member that wrote the run's outputs, once wait_for_the_end saw it
+        # (`_ask_the_late`) while a generation waits: each member's step as it last reported it, and since when
+        self._still: dict[int, tuple[Any, float]] = {}
+        self._asked_late: set[int] = set()
         self._publish(self.generation)
         self._thread = threading.Thread(target=self._watch, name="fast-membership", daemon=True)
         self._thread.start()
@@ -297,12 +300,38 @@ class Coordinator:
         # a member whose collective failed in the newest generation, with no departure to explain it: form it again
         suspected = _count(self.store, f"suspicions/{self.generation.number}") > 0
         if not (left or joined or suspected):
+            self._ask_the_late()
             return
         gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
         self.members = members
         failed = why_it_ends(members[::k], self.deployment.min_workers)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed, suspected))
+
+    def _ask_the_late(self) -> None:
+        """While the newest generation waits for its members: one that has not arrived a third of run.deadline_s
+        after it was published, its step standing still as long (a member between its steps arrives at its next
+        change point; one whose step does not move is held somewhere), is asked once for its threads' stacks, which
+        it writes beside its records (`Member.on_late`), and named on stderr: a stall says where it is."""
+        generation, now = self.generation, time.time()
+        if read_key(self.store, f"settled/{generation.number}") is not None:
+            self._still = {}
+            return
+        patience_s = self.config.run.deadline_s / 3
+        for member in generation.members:
+            step = (reported_figures(self.store, member) or {}).get("step")
+            was, since = self._still.get(member, (step, now))
+            self._still[member] = (step, since if step == was else now)
+            if (member in self._asked_late or now - generation.unix_time < patience_s
+                    or now - self._still[member][1] < patience_s
+                    or read_key(self.store, f"arrived/{generation.number}/{member}") is not None):  # fmt: skip
+                continue
+            self._asked_late.add(member)
+            self.store.set(PREFIX + f"late/{member}", str(generation.number))
+            stacks = self.run_dir / "workers" / f"late-{member}.txt"
+            print(f"fast: generation {generation.number} has waited {now - generation.unix_time:.0f}s for worker "
+                  f"{member}, whose step has not moved: its threads' stacks go to {stacks}", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
     def _departures(self, store: Any) -> list[dict[str, Any]]:
         """The members that have gone (as read through `store`): how each went, and when churn told it to go
@@ -398,6 +427,7 @@ class Member:
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
         self._ending = False  # worker 0 has ended, as the heartbeat last read it
         self._figures: Callable[[], dict[str, Any]] | None = None
+        self._late: Callable[[], None] | None = None  # (`on_late`) what it does, once, when the coordinator asks
         self._group_connection: RunStore | None = None
         self._generations: dict[int, Generation] = {}
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
@@ -414,10 +444,15 @@ class Member:
                 if self._figures is not None:
                     store.set(PREFIX + f"figures/{self.id}", json.dumps(self._figures()))
                 evicted = read_key(store, f"evict/{self.id}")
+                late = self._late is not None and read_key(store, f"late/{self.id}") is not None
                 self._asked_to_stop = self._asked_to_stop or bool(store.check([PREFIX + "stopping"]))
                 self._ending = self._ending or bool(store.check([PREFIX + "ending"]))
             except Exception:  # the run's launcher is gone: the lifeline ends this process
                 return
+            if late:  # (once)
+                dump, self._late = self._late, None
+                with contextlib.suppress(OSError):
+                    dump()
             if evicted is not None and not _closed(store):  # [faults] churn: a crash, or SIGTERM
                 os.kill(os.getpid(), signal.SIGKILL if evicted == b"kill" else signal.SIGTERM)
                 return
@@ -461,6 +496,7 @@ class Member:
         either settles it for all, by compare-and-set."""
         key, settled = PREFIX + f"arrived/{generation.number}", PREFIX + f"settled/{generation.number}"
         if read_key(self.store, f"settled/{generation.number}") is None:
+            self.store.set(PREFIX + f"arrived/{generation.number}/{self.id}", "1")  # (who: `_ask_the_late`)
             self.store.add(key, 1)
         start = time.monotonic()
         while True:
@@ -512,6 +548,11 @@ class Member:
         """Worker 0 has started training (for a run whose members form no group until the end): when, on the wall
         clock, from which a joiner's run time counts."""
         self.store.set(PREFIX + "started", repr(time.time()))
+
+    def on_late(self, late: Callable[[], None]) -> None:
+        """Call `late()` on the heartbeat's thread, once, when the coordinator finds a generation waiting for this
+        member while its step stands still (`Coordinator._ask_the_late`)."""
+        self._late = late
 
     def report(self, figures: Callable[[], dict[str, Any]]) -> None:
         """Leave `figures()` (JSON) in the store with each heartbeat and on leaving: what the run's summary counts of
