@@ -540,6 +540,20 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
     assert after - before >= events[-1]["catch_up_bytes"] > 0
 
 
+def _kill_what_runs(proc: subprocess.Popen, joiners: list[subprocess.Popen]) -> None:
+    """What is still running of a run (its launcher's whole session) and of its joiners, killed."""
+    for p in (proc, *joiners):
+        if p.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
+            p.wait()
+
+
+def _ended_well(run: Path, proc: subprocess.Popen, joiners: list[subprocess.Popen], err: str) -> dict:
+    """The summary of a run whose launcher and joiners all exited with 0."""
+    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners), err
+    return json.loads((run / "summary.json").read_text())
+
+
 def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_averages(tmp_path, no_orphans):
     """Healing stops nobody under sync either: while a joiner's state comes (on a slow emulated link), the others
     go on stepping and the joiner takes each step's all-reduce without data, keeping the averages; once its state
@@ -566,12 +580,8 @@ def test_a_sync_joiner_sits_out_the_steps_its_state_takes_then_applies_their_ave
         joiners[0].communicate(timeout=120)
         out, err = proc.communicate(timeout=120)
     finally:
-        for p in (proc, *joiners):
-            if p.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
-                p.wait()
-    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners), err
-    summary = json.loads((run / "summary.json").read_text())
+        _kill_what_runs(proc, joiners)
+    summary = _ended_well(run, proc, joiners, err)
     events = summary["membership"]
     assert [e["members"] for e in events] == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2, 3, 4]], events
     assert events[2]["healed_behind"] == [3] and events[3]["healed"] == [4], events
@@ -617,12 +627,8 @@ def test_sync_joiners_each_enter_once_their_own_state_is_in_and_the_run_equals_s
             joiner.communicate(timeout=120)
         out, err = proc.communicate(timeout=120)
     finally:
-        for p in (proc, *joiners):
-            if p.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL) if p is proc else p.kill()
-                p.wait()
-    assert proc.returncode == 0 and all(j.returncode == 0 for j in joiners), err
-    summary = json.loads((run / "summary.json").read_text())
+        _kill_what_runs(proc, joiners)
+    summary = _ended_well(run, proc, joiners, err)
     events = summary["membership"]
     assert events[-1]["members"] == [0, 2, 3], events
     entered = {}
@@ -720,13 +726,14 @@ def test_a_generation_held_up_by_a_member_whose_step_stands_still_asks_it_for_it
         for m, member in enumerate(members):
             member.report(lambda m=m: {"counter": None, "step": steps[m]})
             member.on_late(asked[m].set)
+        members[0].suspect(0)  # (a generation after the founders' start, which the launcher leaves alone)
         end = time.monotonic() + 10
         while not asked[1].is_set() and time.monotonic() < end:
             steps[0] += 1  # worker 0 steps, between its change points; worker 1 does not
             time.sleep(0.1)
         assert asked[1].is_set() and not asked[0].is_set()
         err = capfd.readouterr().err
-        assert err.count("fast: generation 0 has waited") == 1 and "for worker 1, whose step has not moved" in err
+        assert err.count("fast: generation 1 has waited") == 1 and "for worker 1, whose step has not moved" in err
         assert str(tmp_path / "workers" / "late-1.txt") in err, err
     finally:
         for member in members:

@@ -198,6 +198,7 @@ class Coordinator:
         # (`_ask_the_late`) while a generation waits: each member's step as it last reported it, and since when
         self._still: dict[int, tuple[Any, float]] = {}
         self._asked_late: set[int] = set()
+        self._looked = 0.0  # (once a second)
         self._publish(self.generation)
         self._thread = threading.Thread(target=self._watch, name="fast-membership", daemon=True)
         self._thread.start()
@@ -314,6 +315,9 @@ class Coordinator:
         change point; one whose step does not move is held somewhere), is asked once for its threads' stacks, which
         it writes beside its records (`Member.on_late`), and named on stderr: a stall says where it is."""
         generation, now = self.generation, time.time()
+        if now - self._looked < 1.0 or generation.number == 0:  # (the founders' start: `Live._watched` keeps it)
+            return
+        self._looked = now
         if read_key(self.store, f"settled/{generation.number}") is not None:
             self._still = {}
             return
