@@ -222,14 +222,12 @@ class Detached:
             own = self._own_figures()
             self.server_lines.store.set(PREFIX + f"server-end/{self.rank}", json.dumps(own))
             return None
-        handed_in = False
-        while not self.is_main:
-            if not handed_in:
-                self.run_store.set(PREFIX + f"end/{self.rank}", json.dumps(self._own_figures()))
-                handed_in = True
-            if read_key(self.run_store, "written") is not None:
-                return None
-            time.sleep(HEARTBEAT_S)
+        if not self.is_main:
+            self.run_store.set(PREFIX + f"end/{self.rank}", json.dumps(self._own_figures()))
+            while not self.is_main:  # (until the outputs are written, or the member that writes them is gone)
+                if read_key(self.run_store, "written") is not None:
+                    return None
+                time.sleep(HEARTBEAT_S)
         model = final() if final is not None else None
         own = self._own_figures()
         everyone = [own, *self._figures_of_members(), *self._figures_of_servers()]

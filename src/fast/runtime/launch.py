@@ -344,10 +344,11 @@ def launch(
                 if on_exit is not None and on_exit(rank, proc.exitcode):
                     told_to_go.add(rank)
                 fatal = not survivable or (rank == 0 and goes_on is None)
+                said = _receive_now(results, outputs).get(rank)
                 if proc.exitcode != 0 and not fatal and rank not in told_to_go:
-                    _going_on_without(rank, _receive_now(results, outputs).get(rank))
+                    _going_on_without(rank, said)
                 # the process that wrote the outputs: rank 0; a live run's, the member that did its duties
-                wrote = rank == 0 if goes_on is None else isinstance(_receive_now(results, outputs).get(rank), dict)
+                wrote = rank == 0 if goes_on is None else isinstance(said, dict)
                 if proc.exitcode != 0 and fatal and settle_until is None:
                     settle_until = time.monotonic() + SETTLE_S  # let the others say what they saw
                 elif survivable and wrote and proc.exitcode == 0 and settle_until is None:

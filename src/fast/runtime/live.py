@@ -53,6 +53,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -232,8 +233,8 @@ class Live:
         # what the members trained on, as each reported it at the next boundary (run.max_samples, the summary's)
         self.samples_trained, self._samples_reported = 0, 0
         self.member.report(self._reported_figures)
-        if not self.simulated:
-            self.member.on_late(self._late_stacks)
+        if not self.simulated:  # (a generation waits for it while its step stands still: where is it held)
+            self.member.on_late(partial(self._stacks_to, "late"))
         if self.joining:
             self.member.ready()
         self._reforming = Reforming()
@@ -623,21 +624,20 @@ class Live:
         finally:
             watchdog.cancel()
 
-    def _stuck(self, patience_s: float) -> None:
-        stacks = self.run_dir / "workers" / f"stuck-{self.rank}.txt"
+    def _stacks_to(self, kind: str) -> Path:
+        """This member's threads' stacks, written beside its records (`workers/<kind>-<id>.txt`)."""
+        stacks = self.run_dir / "workers" / f"{kind}-{self.rank}.txt"
         with open(stacks, "w") as out:
             faulthandler.dump_traceback(out, all_threads=True)
+        return stacks
+
+    def _stuck(self, patience_s: float) -> None:
+        stacks = self._stacks_to("stuck")
         print(f"fast: worker {self.rank} has been re-forming for {patience_s:g}s ({REFORM_PATIENCE} x run.deadline_s) "
               f"and left the run: it is stuck (a bug; its threads' stacks are in {stacks})", file=sys.stderr,
               flush=True)  # fmt: skip
         report_left(self.member.access, self.rank, f"stuck re-forming for {patience_s:g}s")  # (a connection of its own)
         os._exit(STUCK_EXIT_CODE)
-
-    def _late_stacks(self) -> None:
-        """(The coordinator asked: a generation waits for this member, whose step stands still) its threads' stacks,
-        beside its records, to say where it is held."""
-        with open(self.run_dir / "workers" / f"late-{self.rank}.txt", "w") as out:
-            faulthandler.dump_traceback(out, all_threads=True)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:

@@ -431,7 +431,7 @@ class Member:
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
         self._ending = False  # worker 0 has ended, as the heartbeat last read it
         self._figures: Callable[[], dict[str, Any]] | None = None
-        self._late: Callable[[], None] | None = None  # (`on_late`) what it does, once, when the coordinator asks
+        self._late: Callable[[], Any] | None = None  # (`on_late`) what it does, once, when the coordinator asks
         self._group_connection: RunStore | None = None
         self._generations: dict[int, Generation] = {}
         self._beats = threading.Thread(target=self._beat, name="fast-heartbeat", daemon=True)
@@ -553,7 +553,7 @@ class Member:
         clock, from which a joiner's run time counts."""
         self.store.set(PREFIX + "started", repr(time.time()))
 
-    def on_late(self, late: Callable[[], None]) -> None:
+    def on_late(self, late: Callable[[], Any]) -> None:
         """Call `late()` on the heartbeat's thread, once, when the coordinator finds a generation waiting for this
         member while its step stands still (`Coordinator._ask_the_late`)."""
         self._late = late
