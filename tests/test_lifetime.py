@@ -244,8 +244,12 @@ def test_ctrl_z_pauses_every_process_of_the_run_and_fg_resumes_them(tmp_path):
     try:
         wait_for_workers(proc)
         os.killpg(proc.pid, signal.SIGTSTP)  # the terminal's Ctrl-Z reaches the launcher's group only
-        time.sleep(1.0)
-        paused = {p.pid: p.status() for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]}
+        end = time.monotonic() + 10  # (on 2 busy cores the launcher may take a while to run its handler)
+        while True:
+            time.sleep(0.5)
+            paused = {p.pid: p.status() for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]}
+            if set(paused.values()) == {psutil.STATUS_STOPPED} or time.monotonic() > end:
+                break
         records = (run / "workers" / "metrics-0.jsonl").stat().st_size
         time.sleep(1.0)
         grown = (run / "workers" / "metrics-0.jsonl").stat().st_size - records
