@@ -84,13 +84,15 @@ def _join(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([FAST, "join", *args], capture_output=True, text=True, env=env, timeout=180)
 
 
-def _stop_once_joined(run: Path, joiner: subprocess.Popen, folder: Path, member: int, in_run: tuple = ()) -> str:
+def _stop_once_joined(run: Path, joiner: subprocess.Popen, folder: Path, member: int, in_run: tuple = (),
+                      launcher: subprocess.Popen | None = None) -> str:  # fmt: skip
     """Wait until the joiner (its records in `folder`) has trained 10 steps, end the run with `fast stop`, and
     return the joiner's stderr once it is done. (A run that ends at run.max_time races a joiner's process, which
-    takes 10 s or more to start on 2 busy cores.)"""
+    takes 10 s or more to start on 2 busy cores.) A joiner that fails names what it said, and what the run's
+    `launcher` (when given) said up to then."""
     end = time.monotonic() + 180
     while _steps(folder, member) < 10:
-        assert joiner.poll() is None, joiner.communicate()
+        assert joiner.poll() is None, (joiner.communicate()[1], _said_so_far(launcher))
         assert time.monotonic() < end, "the joiner did not train"
         time.sleep(0.05)
     stopped = subprocess.run([*in_run, FAST, "stop", str(run)], capture_output=True, text=True, timeout=60)
@@ -102,6 +104,15 @@ def _stop_once_joined(run: Path, joiner: subprocess.Popen, folder: Path, member:
 def _healed(run: Path, member: int) -> list[dict]:
     lines = (run / "workers" / f"metrics-{member}.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == "healed"]
+
+
+def _said_so_far(launcher: subprocess.Popen | None) -> str:
+    """(A failed test's message) what a run's launcher had said on stderr: it is stopped to read it."""
+    if launcher is None:
+        return ""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    return launcher.communicate(timeout=60)[1][-4000:]
 
 
 def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int | None, joiner: int,
@@ -121,7 +132,7 @@ def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int
         joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
         if while_joining is not None:  # (the joiner takes a few seconds to start)
             while_joining()
-        joiner_err = _stop_once_joined(run, joining, run, joiner)
+        joiner_err = _stop_once_joined(run, joining, run, joiner, launcher=proc)
         assert joining.returncode == 0, joiner_err
         out, err = proc.communicate(timeout=120)
     finally:
