@@ -3,10 +3,11 @@ failure rate of bench/churn.py, and the papers' questions at 8 to 128 workers.
 
     .venv/bin/python bench/sim_scale.py [--workers 256 512 1024] [--epochs 1] [--sections scale churn figures]
                                         [--only NAME] [--failure-every 15 | --stay 120] [--absence 3] [--churn-time 150]
-                                        [--churn-strategies sync local-sgd] [--repeat] [--reports DIR] [--out FILE]
+                                        [--churn-strategies sync local-sgd] [--latency 5ms] [--repeat] [--reports DIR]
+                                        [--out FILE]
 
-Fashion-MNIST, LeNet-5, batch 16 per worker, SGD (lr 0.05, momentum 0.9), links of 100 Mbit/s and 5 ms, a step charged
-5 ms of compute (`run.step_time`, so that every run repeats exactly). Each run is a process of its own, so that its
+Fashion-MNIST, LeNet-5, batch 16 per worker, SGD (lr 0.05, momentum 0.9), links of 100 Mbit/s and 5 ms (`--latency`:
+another), a step charged 5 ms of compute (`run.step_time`, so that every run repeats exactly). Each run is a process of its own, so that its
 peak memory is its own.
 
 - `scale`: at each worker count, `gossip` on a square torus with `send_probability` 1.0, 0.5 and 0.25 (the partial
@@ -52,7 +53,7 @@ CHURN_STRATEGIES = {
 }
 
 
-def config(workers: int, strategy: dict[str, Any], epochs: float) -> dict[str, Any]:
+def config(workers: int, strategy: dict[str, Any], epochs: float, latency: str = "5ms") -> dict[str, Any]:
     return {
         "run": {"name": strategy["name"], "seed": 0, "workers": workers, "batch_size": 16, "epochs": epochs,
                 "eval_every": 0, "engine": "simulated", "step_time": "5ms", "targets": [0.7], "log_every": 10},
@@ -60,7 +61,7 @@ def config(workers: int, strategy: dict[str, Any], epochs: float) -> dict[str, A
         "model": {"name": "lenet"},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "strategy": strategy,
-        "network": {"bandwidth": "100Mbit", "latency": "5ms"},
+        "network": {"bandwidth": "100Mbit", "latency": latency},
     }  # fmt: skip
 
 
@@ -143,6 +144,8 @@ def main() -> None:
     parser.add_argument("--absence", type=float, default=3.0, help="churn: mean virtual seconds before a replacement")
     parser.add_argument("--churn-time", type=float, default=150.0, help="churn: virtual seconds of training per run")
     parser.add_argument("--churn-strategies", nargs="+", choices=list(CHURN_STRATEGIES), default=["sync", "local-sgd"])
+    parser.add_argument("--latency", default="5ms", help="the links' latency (a ring of 1,024 pays it 2,046 times an "
+                        "all-reduce)")
     parser.add_argument("--repeat", action="store_true", help="churn: run each churned run twice, to compare")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child's job, as JSON
     args = parser.parse_args()
@@ -176,7 +179,7 @@ def scale(args: argparse.Namespace) -> list[dict[str, Any]]:
           flush=True)  # fmt: skip
     rows = []
     for name, workers, strategy in plan:
-        figures = _one_process(config(workers, strategy, args.epochs))
+        figures = _one_process(config(workers, strategy, args.epochs, args.latency))
         if isinstance(figures, str):
             print(f"| {workers} | {name} | {figures} |", flush=True)
             continue
@@ -206,7 +209,8 @@ def churn(args: argparse.Namespace) -> list[dict[str, Any]]:
     lifetime = args.stay or args.failure_every * workers  # the run loses a member every `every` s on average
     every = lifetime / workers
     print(f"\nchurn at {workers} workers: a failure every {every:g} virtual s on average (each worker's mean stay "
-          f"{lifetime:g} s), mean absence {args.absence:g} s, {args.churn_time:g} virtual s of training per run\n",
+          f"{lifetime:g} s), mean absence {args.absence:g} s, {args.churn_time:g} virtual s of training per run, "
+          f"links of {args.latency}\n",
           flush=True)  # fmt: skip
     print("| strategy | churn | steps/worker | virtual s | host s | peak MB | accuracy | leaves / joins | catch-up MB "
           "| samples | member-s | samples per member-s | goodput | repeats |\n"
@@ -216,7 +220,7 @@ def churn(args: argparse.Namespace) -> list[dict[str, Any]]:
         strategy = dict(CHURN_STRATEGIES[name])
         if name == "gossip":
             strategy["topology"] = torus(workers)
-        job = config(workers, strategy, 10_000)
+        job = config(workers, strategy, 10_000, args.latency)
         job["run"].update(membership="live", max_time=f"{args.churn_time:g}s")
         steady = _one_process(job)
         job["faults"] = {"churn": {"lifetime": f"{lifetime:g}s", "absence": f"{args.absence:g}s"}}
