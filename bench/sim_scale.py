@@ -7,8 +7,8 @@ failure rate of bench/churn.py, and the papers' questions at 8 to 128 workers.
                                         [--out FILE]
 
 Fashion-MNIST, LeNet-5, batch 16 per worker, SGD (lr 0.05, momentum 0.9), links of 100 Mbit/s and 5 ms (`--latency`:
-another), a step charged 5 ms of compute (`run.step_time`, so that every run repeats exactly). Each run is a process of its own, so that its
-peak memory is its own.
+another), a step charged 5 ms of compute (`run.step_time`, so that every run repeats exactly). Each run is a process
+of its own, so that its peak memory is its own.
 
 - `scale`: at each worker count, `gossip` on a square torus with `send_probability` 1.0, 0.5 and 0.25 (the partial
   communication of papers 000/001), `local-sgd` (period 8), and `async-ps` with one server shard per 16 workers (and
@@ -144,8 +144,9 @@ def main() -> None:
     parser.add_argument("--absence", type=float, default=3.0, help="churn: mean virtual seconds before a replacement")
     parser.add_argument("--churn-time", type=float, default=150.0, help="churn: virtual seconds of training per run")
     parser.add_argument("--churn-strategies", nargs="+", choices=list(CHURN_STRATEGIES), default=["sync", "local-sgd"])
-    parser.add_argument("--latency", default="5ms", help="the links' latency (a ring of 1,024 pays it 2,046 times an "
-                        "all-reduce)")
+    parser.add_argument(
+        "--latency", default="5ms", help="the links' latency (a ring of 1,024 pays it 2,046 times an all-reduce)"
+    )
     parser.add_argument("--repeat", action="store_true", help="churn: run each churned run twice, to compare")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child's job, as JSON
     args = parser.parse_args()

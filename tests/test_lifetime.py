@@ -273,7 +273,7 @@ def test_a_worker_forked_from_its_launcher_takes_termination_signals_as_a_new_pr
     """A launcher that may (no threads beyond torch's, no CUDA) forks its workers itself, no fork server, inside the
     launch's hold on Ctrl-C, SIGTERM and SIGHUP: they must not keep its handlers, which would hold a SIGTERM back for
     good."""
-    monkeypatch.setattr(launch_module, "_may_fork_here", lambda: True)  # (pytest's process runs threads of its own)
+    monkeypatch.setattr(launch_module, "may_fork_here", lambda: True)  # (pytest's process runs threads of its own)
     outputs = launch_module.launch(_signal_handlers, 1, port=free_port())
     assert outputs[0] == [str(signal.SIG_DFL), str(signal.SIG_DFL), str(signal.SIG_IGN)]
 
@@ -281,21 +281,21 @@ def test_a_worker_forked_from_its_launcher_takes_termination_signals_as_a_new_pr
 NATIVE_THREAD = """
 import ctypes, time
 from fast.runtime import launch
-alone = launch._may_fork_here()
+alone = launch.may_fork_here()
 libc = ctypes.CDLL(None)
 thread = ctypes.c_ulong()  # a thread of native code, which Python's threading does not see: it sleeps 30 s
 libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.sleep, ctypes.c_void_p), ctypes.c_void_p(30))
 time.sleep(0.5)
-print(alone, launch._may_fork_here())
+print(alone, launch.may_fork_here())
 """
 PARALLEL_OP = """
 from fast.runtime import launch
 import torch
-alone = launch._may_fork_here()
+alone = launch.may_fork_here()
 torch.set_num_threads(2)
 x = torch.ones(1 << 20)
 (x + x).sum()  # a parallel op: torch's intra-op pool starts
-print(alone, launch._may_fork_here())
+print(alone, launch.may_fork_here())
 """
 POOL_BEFORE_FAST = """
 import torch
@@ -303,7 +303,7 @@ torch.set_num_threads(2)
 x = torch.ones(1 << 20)
 (x + x).sum()  # the pool starts before FAST is imported: no count of threads after can tell it from torch's own
 from fast.runtime import launch
-print(launch._may_fork_here(), launch._may_fork_here())
+print(launch.may_fork_here(), launch.may_fork_here())
 """
 
 

@@ -87,9 +87,9 @@ def _join(*args: str) -> subprocess.CompletedProcess:
 def _stop_once_joined(run: Path, joiner: subprocess.Popen, folder: Path, member: int, in_run: tuple = (),
                       launcher: subprocess.Popen | None = None) -> str:  # fmt: skip
     """Wait until the joiner (its records in `folder`) has trained 10 steps, end the run with `fast stop`, and
-    return the joiner's stderr once it is done. (A run that ends at run.max_time races a joiner's process, which
-    takes 10 s or more to start on 2 busy cores.) A joiner that fails names what it said, and what the run's
-    `launcher` (when given) said up to then."""
+    return what the joiner said (its stdout, if a pipe, then its stderr) once it is done. (A run that ends at
+    run.max_time races a joiner's process, which takes 10 s or more to start on 2 busy cores.) A joiner that fails
+    names what it said, and what the run's `launcher` (when given) said up to then."""
     end = time.monotonic() + 180
     while _steps(folder, member) < 10:
         assert joiner.poll() is None, (joiner.communicate()[1], _said_so_far(launcher))
@@ -97,8 +97,8 @@ def _stop_once_joined(run: Path, joiner: subprocess.Popen, folder: Path, member:
         time.sleep(0.05)
     stopped = subprocess.run([*in_run, FAST, "stop", str(run)], capture_output=True, text=True, timeout=60)
     assert stopped.returncode == 0 and "ends at its members' next boundary" in stopped.stdout, stopped.stderr
-    _, err = joiner.communicate(timeout=120)
-    return err
+    out, err = joiner.communicate(timeout=120)
+    return (out or "") + err
 
 
 def _healed(run: Path, member: int) -> list[dict]:
@@ -293,10 +293,11 @@ def test_a_periodic_joiner_sits_its_first_round_out_while_its_state_comes_behind
 
 
 def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orphans):
-    """`fast join --standby` gets ready (imports, config) and says so; given a line, it is admitted, healed and
-    trains its first step within seconds (bounded generously here: 2 busy cores; the churn bench measures it), in a
-    process forked from it (no fork server imports it all again); a standby whose input ends leaves without
-    joining."""
+    """`fast join --standby` gets ready (imports, config) and says so; each line forks a joiner from it, which is
+    admitted, healed and trains its first step within seconds (bounded generously here: 2 busy cores; the churn
+    bench measures it), its worker forked from it in turn (nothing imports it all again), while the standby stays
+    ready for the next line; its input ended, it waits for its joiners; a standby whose input ends without a line
+    leaves without joining."""
     run = tmp_path / "run"
     proc = _start(run, {"run.workers": 2, "run.max_time": "300s"})  # ended by fast stop
     env = {**os.environ, "FAST_PROGRESS": "0"}
@@ -309,19 +310,23 @@ def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orp
         out, _ = unused.communicate("", timeout=120)
         assert unused.returncode == 0 and "never joined" in out, out
         assert "standby joiner ready" in joiner.stdout.readline()
-        joiner.stdin.write("join\n")
-        joiner.stdin.flush()  # (closed by _stop_once_joined's communicate)
-        asked = time.monotonic()
-        while _steps(run, 2) < 1:
-            assert joiner.poll() is None, joiner.communicate()
-            time.sleep(0.02)
-        took_part_s = time.monotonic() - asked
-        assert took_part_s < 30, took_part_s
-        print(f"a standby joiner trained its first step {took_part_s:.2f} s after its line")
-        (worker,) = psutil.Process(joiner.pid).children(recursive=True)
-        assert " ".join(worker.cmdline()).startswith("fast worker"), worker.cmdline()
-        _stop_once_joined(run, joiner, run, 2)
-        assert joiner.returncode == 0
+        for member in (2, 3):
+            joiner.stdin.write("\n")
+            joiner.stdin.flush()  # (closed by _stop_once_joined's communicate)
+            asked = time.monotonic()
+            while _steps(run, member) < 1:
+                assert joiner.poll() is None, joiner.communicate()
+                time.sleep(0.02)
+            took_part_s = time.monotonic() - asked
+            assert took_part_s < 30, took_part_s
+            print(f"joiner {member}, forked from a standby, trained its first step {took_part_s:.2f} s after its line")
+        forked = psutil.Process(joiner.pid).children()
+        assert len(forked) == 2 and all(p.cmdline()[-3:] == standby[1:] for p in forked), forked
+        for one in forked:
+            (worker,) = one.children()
+            assert " ".join(worker.cmdline()).startswith("fast worker"), worker.cmdline()
+        said = _stop_once_joined(run, joiner, run, 3)
+        assert joiner.returncode == 0 and "the 2 joiners it forked have ended" in said, said
         proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

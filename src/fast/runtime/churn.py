@@ -7,8 +7,9 @@ member that holds the run's state stays too (with none, the run could not go on:
 healed, as its reports in the store say): its stay is drawn again. After an
 exponential absence of mean `absence` a new worker takes its place through `fast join`, healed from a live peer like
 any joiner. The new worker is warm: the driver keeps a standby joiner ready (`fast join --standby`: imported, its
-config read) and gives it its line; a new standby gets ready meanwhile. The draws are seeded by
-`run.seed`; times count from the start of training (the first group formed).
+config read), and each line it gives it forks a joiner from it, which imports nothing again (on this machine's
+cores, a joiner that imported torch and the loop afresh would take seconds of them from the members). The draws are
+seeded by `run.seed`; times count from the start of training (the first group formed).
 """
 
 from __future__ import annotations
@@ -55,15 +56,14 @@ class ChurnDriver:
         self.run_dir, self.coordinator, self.draws = run_dir, coordinator, ChurnDraws(plan)
         self.leaves: dict[int, float] = {}  # member -> when it is told to leave
         self.returns: list[float] = []  # when a new worker comes in
-        self.joiners: list[subprocess.Popen] = []
-        self.standby: subprocess.Popen | None = None
-        self.standbys = 0  # standby joiners started
+        self.standbys: list[subprocess.Popen] = []  # the standby joiner, and any that died before it
+        self.joined = 0  # joiners forked from a standby
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fast-churn", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        self.standby = self._standby()
+        self._standby()
         while not self.coordinator.started():  # times count from the start of training
             if self._closing.wait(0.1):
                 return
@@ -88,38 +88,42 @@ class ChurnDriver:
                 self._bring_one_in()
 
     def _standby(self) -> subprocess.Popen:
-        """A joiner that gets ready now and joins when it is given a line (`fast join --standby`)."""
+        """A joiner that gets ready now, and forks a joiner for each line it is given (`fast join --standby`)."""
         env = {**os.environ, "FAST_PROGRESS": "0"}
         command = [sys.executable, "-m", "fast", "join", str(self.run_dir), "--standby"]
-        self.standbys += 1  # (what one says, a failure's line included, is kept beside the members' records)
         (self.run_dir / "workers").mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "workers" / f"standby-{self.standbys}.err", "wb") as said:
-            return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=said,
-                                    preexec_fn=_die_with_launcher)  # fmt: skip
+        # (what one says, a failure's line included, is kept beside the members' records)
+        with open(self.run_dir / "workers" / f"standby-{len(self.standbys) + 1}.err", "wb") as said:
+            standby = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=said,
+                                       preexec_fn=_die_with_launcher)  # fmt: skip
+        self.standbys.append(standby)
+        return standby
 
     def _bring_one_in(self) -> None:
-        """The standby joins (if it died getting ready, a new one does: cold), and a new standby gets ready."""
-        joiner = self.standby if self.standby is not None and self.standby.poll() is None else self._standby()
-        self.standby = self._standby()
+        """A joiner forked from the standby (if the standby died, a new one starts: cold), its stderr kept in
+        `workers/joiner-<k>.err`."""
+        standby = self.standbys[-1] if self.standbys[-1].poll() is None else self._standby()
+        self.joined += 1
+        said = self.run_dir / "workers" / f"joiner-{self.joined}.err"
         with contextlib.suppress(BrokenPipeError):  # (it died since the look: lost, as a joiner that fails to start)
-            joiner.stdin.write(b"join\n")
-            joiner.stdin.close()
-        self.joiners.append(joiner)
+            standby.stdin.write(f"{said}\n".encode())
+            standby.stdin.flush()
 
     def close(self) -> None:
         """Stop making changes; the joiners still running end with the run (SIGTERM after a grace period)."""
         self._closing.set()
         self._thread.join(timeout=5)
-        if self.standby is not None:  # its input ends: it leaves without joining
-            self.standby.stdin.close()
-            self.joiners.append(self.standby)
         deadline = time.monotonic() + 10
-        for joiner in self.joiners:
+        for standby in self.standbys:  # its input ends: it waits for the joiners it forked, and leaves
+            with contextlib.suppress(BrokenPipeError):
+                standby.stdin.close()
+        for standby in self.standbys:
             try:
-                joiner.wait(timeout=max(0.1, deadline - time.monotonic()))
+                standby.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                joiner.terminate()
-                joiner.wait()
-        for said in (self.run_dir / "workers").glob("standby-*.err"):
+                standby.terminate()
+                standby.wait()
+        workers = self.run_dir / "workers"
+        for said in [*workers.glob("standby-*.err"), *workers.glob("joiner-*.err")]:
             if not said.stat().st_size:  # (those that had nothing to say)
                 said.unlink()

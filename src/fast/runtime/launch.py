@@ -193,7 +193,7 @@ def _threads() -> int:
 _IMPORTED_THREADS = _threads()
 
 
-def _may_fork_here() -> bool:
+def may_fork_here() -> bool:
     """Whether this process may fork its workers itself: it runs no thread beyond those its imports started (a
     fork copies the caller's thread alone, and a lock another held stays held in the child: a Rust runtime's,
     torchft's lighthouse, crashed a child forked from a test's process; torch's intra-op pool, once a parallel op has
@@ -207,8 +207,8 @@ def _may_fork_here() -> bool:
 
 def _workers_context() -> Any:
     """Where a launch's processes come from: this process, forked once it has imported what they need, where it may
-    (`_may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the launcher."""
-    if _may_fork_here():
+    (`may_fork_here`); else a fork server that has (`_context`). Either way Ctrl-Z pauses them with the launcher."""
+    if may_fork_here():
         warm_up()
         _pause_with_the_terminal()
         return mp.get_context("fork")

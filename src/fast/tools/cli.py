@@ -57,9 +57,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     member = join(args.run_dir, address=args.address, token_file=args.token_file, config=args.config, out=args.out,
                   standby=args.standby, **_overrides(args.set))  # fmt: skip
-    if member is None:
-        print("fast: the standby joiner's input ended: it never joined")
-    else:
+    if member is not None:  # (None: a standby, which has said how it ended)
         print(f"fast: worker {member} trained with the run to its end")
     return 0
 

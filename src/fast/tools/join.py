@@ -5,17 +5,23 @@ one of them ends badly the others are stopped at once, and the run is told the r
 
     fast join RUN_DIR                                   a run of this machine: its address and secret are in RUN_DIR
     fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
-    fast join RUN_DIR --standby                         warm: ready now, it joins when a line comes on its stdin
+    fast join RUN_DIR --standby                         warm: ready now, a joiner for each line on its stdin
 
 A joiner's worker processes are forked from it, once it has imported torch and the loop (one import, where a fork
 server would make a second). A standby joiner does everything that takes time before it asks to be admitted (the
 imports, the config), so that it takes part within a second or two of its line: churn keeps one
-(fast.runtime.churn), and so may a user who wants a spare. End of input without a line: it leaves, unadmitted.
+(fast.runtime.churn), and so may a user who wants spares. Each line forks a joiner from it, which imports nothing
+again (a line that names a file: that joiner's stderr goes there), and it stays ready for the next; where it may not
+fork (`may_fork_here`: JAX imported, say) its first line makes it the joiner. End of input: it waits for the joiners
+it forked, and leaves; without a line, unadmitted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +30,7 @@ from fast.comm import bootstrap as engine
 from fast.errors import ConfigError
 from fast.jobs.loop import train_worker
 from fast.parts import resolve
-from fast.runtime.launch import launch, warm_up
+from fast.runtime.launch import WorkerFailed, launch, may_fork_here, warm_up
 from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
 
@@ -50,7 +56,7 @@ def join(
     **overrides: Any,
 ) -> int | None:
     """Join a running job and train with it to its end; returns this worker's member id (a sharded replica's: its
-    shard 0's; None: a standby joiner whose input ended without a line, which never joined)."""
+    shard 0's; None: a standby joiner whose input ended, which said so, and whose forked joiners have ended)."""
     if run_dir is not None:
         folder = Path(run_dir)
         found, secret_file = live_run("fast join", folder)
@@ -65,10 +71,8 @@ def join(
         raise ConfigError("fast join: the config is not a live run's (run.membership = 'fixed'): nothing can join it")
     access = Access.parse(address, read_secret("fast join", Path(token_file)))
     warm_up()
-    if standby:
-        print("fast: standby joiner ready: a line on stdin joins the run", flush=True)
-        if not sys.stdin.readline():
-            return None
+    if standby and not _joins_on_a_line():
+        return None
     member = request_admission(access, job, job.run.deadline_s)
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
     environment = {**access.environment(Path(token_file).resolve()), "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
@@ -82,3 +86,49 @@ def join(
     launch(train_worker, shards, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
            extra_env=environment, on_exit=ended, together=shards)  # fmt: skip
     return member
+
+
+def _joins_on_a_line() -> bool:
+    """(A standby joiner, ready) wait for lines on stdin: each forks a joiner from this process, which returns True
+    and joins; this one, once its input has ended and the joiners it forked have, returns False (or raises the first
+    one's failure). Where this process may not fork, its first line makes it the joiner (True)."""
+    print("fast: standby joiner ready: a line on stdin joins the run", flush=True)
+    forked: list[int] = []
+    try:
+        while line := sys.stdin.readline():
+            if not may_fork_here():
+                return True
+            pid = os.fork()
+            if pid == 0:
+                forked = []  # (the standby's, not this joiner's)
+                _on_its_own(line.strip())
+                return True
+            forked.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in forked]
+    except BaseException:  # Ctrl-C, SIGTERM or SIGHUP: its joiners are stopped as their own would stop them
+        for pid in forked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in forked:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        raise
+    failed = [code for code in codes if code != 0]
+    if failed:
+        raise WorkerFailed(f"{len(failed)} of the {len(codes)} joiners this standby forked failed (the first with exit "
+                           f"code {failed[0]}): what each said is on its stderr", abs(failed[0]))  # fmt: skip
+    print("fast: the standby joiner's input ended: " + (f"the {len(codes)} joiners it forked have ended" if codes else
+          "it never joined"), flush=True)  # fmt: skip
+    return False
+
+
+def _on_its_own(stderr_to: str) -> None:
+    """(A joiner forked from a standby) its input is not the standby's; its stderr goes to the file `stderr_to` names,
+    if any."""
+    sys.stdin = open(os.devnull)  # noqa: SIM115 (the process's own, for its life)
+    os.dup2(sys.stdin.fileno(), 0)
+    if stderr_to:
+        sys.stderr.flush()
+        said = os.open(stderr_to, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(said, 2)
+        os.close(said)
