@@ -326,7 +326,7 @@ def test_a_standby_joiner_takes_part_within_seconds_of_its_line(tmp_path, no_orp
             (worker,) = one.children()
             assert " ".join(worker.cmdline()).startswith("fast worker"), worker.cmdline()
         said = _stop_once_joined(run, joiner, run, 3)
-        assert joiner.returncode == 0 and "the 2 joiners it forked have ended" in said, said
+        assert joiner.returncode == 0 and "2 joiners forked from it, ended" in said, said
         proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -113,12 +113,12 @@ def _joins_on_a_line() -> bool:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         raise
-    failed = [code for code in codes if code != 0]
+    failed = [code if code > 0 else 128 - code for code in codes if code != 0]  # (killed by signal N: 128 + N)
     if failed:
         raise WorkerFailed(f"{len(failed)} of the {len(codes)} joiners this standby forked failed (the first with exit "
-                           f"code {failed[0]}): what each said is on its stderr", abs(failed[0]))  # fmt: skip
-    print("fast: the standby joiner's input ended: " + (f"the {len(codes)} joiners it forked have ended" if codes else
-          "it never joined"), flush=True)  # fmt: skip
+                           f"code {failed[0]}): what each said is on its stderr", failed[0])  # fmt: skip
+    ended = f"{len(codes)} joiner{'s' if len(codes) > 1 else ''} forked from it, ended" if codes else "it never joined"
+    print(f"fast: the standby joiner's input ended: {ended}", flush=True)
     return False
 
 
