@@ -831,8 +831,9 @@ class Live:
         ids = rows[:, HealRow.ID].tolist()
         holders = (rows[:, HealRow.NEW] != HealRow.EMPTY).nonzero().flatten()
         if not len(holders):
-            raise RunEnded("every member that held the run's state is gone, and its joiners were not healed yet: "
-                           "the run cannot go on")  # fmt: skip
+            members = ", ".join(map(str, ids))
+            raise RunEnded("every member that held the run's state is gone, and its joiners were not healed yet "
+                           f"(generation {self.generation.number}: {members}): the run cannot go on")  # fmt: skip
         # a member that kept the step whose round a death broke, where a holder applied it, applies it too
         steps = rows[:, HealRow.STEP]
         applies = (rows[:, HealRow.NEW] == 0) & (rows[:, HealRow.UNAGREED] == 1) & (steps + 1 == steps[holders].max())
