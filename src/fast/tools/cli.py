@@ -169,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--config", help="the run's config (default: the run folder's config.toml)")
     j.add_argument("--out", help="where this worker writes its metrics (default: the run folder)")
     j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
-    standby = "get ready (imports, config), then join when a line comes on stdin"
+    standby = "get ready (imports, config), then fork a joiner for each line on stdin (a file named on it: its stderr)"
     j.add_argument("--standby", action="store_true", help=standby)
     j.set_defaults(func=cmd_join)
     st = sub.add_parser("stop", help="end a live run cleanly: fast stop RUN_DIR, or --address --token-file")
