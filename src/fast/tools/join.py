@@ -94,6 +94,7 @@ def _joins_on_a_line() -> bool:
     one's failure). Where this process may not fork, its first line makes it the joiner (True)."""
     print("fast: standby joiner ready: a line on stdin joins the run", flush=True)
     forked: list[int] = []
+    codes: list[int] = []  # (those of the joiners that have ended)
     try:
         while line := sys.stdin.readline():
             if not may_fork_here():
@@ -104,7 +105,8 @@ def _joins_on_a_line() -> bool:
                 _on_its_own(line.strip())
                 return True
             forked.append(pid)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in forked]
+            codes += _ended(forked, wait=False)  # (those that ended since the last line: no zombie piles up)
+        codes += _ended(forked, wait=True)
     except BaseException:  # Ctrl-C, SIGTERM or SIGHUP: its joiners are stopped as their own would stop them
         for pid in forked:
             with contextlib.suppress(ProcessLookupError):
@@ -120,6 +122,18 @@ def _joins_on_a_line() -> bool:
     ended = f"{len(codes)} joiner{'s' if len(codes) > 1 else ''} forked from it, ended" if codes else "it never joined"
     print(f"fast: the standby joiner's input ended: {ended}", flush=True)
     return False
+
+
+def _ended(forked: list[int], wait: bool) -> list[int]:
+    """The exit codes of the processes of `forked` that have ended (all of them, once ended, with `wait`), which are
+    taken out of it."""
+    codes = []
+    for pid in list(forked):
+        done, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
+        if done:
+            forked.remove(pid)
+            codes.append(os.waitstatus_to_exitcode(status))
+    return codes
 
 
 def _on_its_own(stderr_to: str) -> None:
