@@ -111,9 +111,7 @@ def _joins_on_a_line() -> bool:
         for pid in forked:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        for pid in forked:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+        _ended(forked, wait=True)
         raise
     failed = [code if code > 0 else 128 - code for code in codes if code != 0]  # (killed by signal N: 128 + N)
     if failed:
