@@ -1,5 +1,6 @@
 """Ctrl-C: `fast train` interrupted mid-run stops every process at once, says so in one line, keeps the work done
-so far (per-worker metrics, checkpoints), and the run resumes right away on the same port."""
+so far (per-worker metrics, checkpoints), and the run resumes right away on the same port. Ctrl-C during an import
+is held until the import ends (a library may swallow it), unless it is pressed twice."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fast.comm import bootstrap as engine
+from fast.interrupts import held_interrupts
 from fast.runtime import checkpoints as checkpoint
 from fast.tools.cli import main
 from tests.processes import in_session
@@ -95,3 +97,38 @@ def test_ctrl_c_stops_every_process_at_once_with_one_line_and_the_run_resumes_on
     assert summary["config"]["run"]["master_port"] == job["run.master_port"]
     merged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in merged if r["worker"] == 0 and "loss" in r] == list(range(1, resumed_from + 11))
+
+
+# a module whose import swallows a Ctrl-C it gets, as numpy.random's can (a Cython module's subclass check that
+# clears the error the handler raised)
+SWALLOWS = """
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, in the middle of this import
+    time.sleep(5)
+except KeyboardInterrupt:
+    pass
+"""
+
+
+def test_a_ctrl_c_that_an_import_of_the_launchers_would_swallow_still_stops_it(tmp_path):
+    (tmp_path / "swallows.py").write_text(SWALLOWS)
+    launcher = "from fast.runtime.launch import warm_up; warm_up(); print('went on')"  # a launcher's imports
+    env = {**os.environ, "FAST_PRELOAD": "swallows"}
+    done = subprocess.run([sys.executable, "-c", launcher], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == -signal.SIGINT and "went on" not in done.stdout, (done.returncode, done.stderr)
+
+
+def test_a_second_ctrl_c_is_not_held():
+    before = signal.getsignal(signal.SIGINT)
+    reached = []
+    with pytest.raises(KeyboardInterrupt), held_interrupts():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        reached.append("past the first")  # held
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        reached.append("past the second")
+    assert reached == ["past the first"]
+    assert signal.getsignal(signal.SIGINT) is before

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fast.errors import ConfigError
+from fast.interrupts import held_interrupts
 
 SEARCH_PATH_VARIABLE = "FAST_CODE_PATH"  # os.pathsep-separated folders the launcher adds (a script's, a config's)
 
@@ -38,7 +39,8 @@ def import_module(module_name: str, key: str, spec: str | None = None) -> Any:
     """The user's module `module_name`, named by config key `key` (= `spec`); ConfigError when it does not import."""
     _search_paths()
     try:
-        return importlib.import_module(module_name)
+        with held_interrupts():  # an import cut short may swallow the interrupt, or leave a library half set up
+            return importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(
             f"`{key}` = {spec or module_name!r}: module {module_name!r} does not import ({e}); put it in the current "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,14 +44,23 @@ def how_interrupted(interrupt: BaseException) -> tuple[str, int]:
 @contextlib.contextmanager
 def held_interrupts() -> Iterator[None]:
     """Ctrl-C, SIGTERM and SIGHUP held back meanwhile, and delivered again as it ends (to the handlers there were
-    before). Outside the main thread, where Python handles no signal, nothing is held."""
+    before). The same signal a second time is not held: the user who presses Ctrl-C twice means now, and an import
+    that never ends can still be stopped. Outside the main thread, where Python handles no signal, nothing is held."""
     held: list[int] = []
-    try:
-        previous = {number: signal.signal(number, lambda n, _: held.append(n)) for number in INTERRUPTS}
-    except ValueError:
+    previous: dict[int, Any] = {}
+
+    def hold(number: int, frame: Any) -> None:
+        if number in held and callable(previous.get(number)):
+            held.remove(number)
+            previous[number](number, frame)
+        held.append(number)
+
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    try:
+    try:  # (a signal handled while the handlers are put in place raises there: the finally puts every one back)
+        for number in INTERRUPTS:
+            previous[number] = signal.signal(number, hold)
         yield
     finally:
         for number, handler in previous.items():

@@ -176,9 +176,10 @@ def warm_up() -> None:
     core per run); a standby joiner's, before it is given its line."""
     global _IMPORTED_THREADS
     before = _threads()
-    for name in _preloaded():
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+    with held_interrupts():  # a library may swallow a KeyboardInterrupt raised in its import (numpy.random's does)
+        for name in _preloaded():
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
     _IMPORTED_THREADS += _threads() - before  # (a library's BLAS pool, say: a fork server's imports start them too)
 
 
