@@ -3,15 +3,21 @@ engine (deterministic by seed), the report's membership timeline and `fast predi
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import fast
 from fast.assemble import load_config
+from fast.comm import timing
+from fast.comm.scheduler import Simulation
+from fast.emulation.wire import ideal_links, start
 from fast.jobs.datasets import load_dataset
 from fast.jobs.models import build_model
 from fast.perfmodel import Link
+from fast.runtime.launch import WorkerFailed
+from fast.runtime.simulated_membership import SimulatedMembership
 from fast.tools.predict import price_catch_up
 from fast.tools.report.html import build_report
 
@@ -124,3 +130,34 @@ def test_fast_predict_prices_a_catch_up_as_a_run_sends_it(tmp_path):
     assert price.nbytes == pytest.approx(measured, rel=0.05)
     assert price.seconds == pytest.approx(0.005 + price.nbytes / link.bandwidth_Bps)
     assert price.joins_per_s == pytest.approx(8 / 0.7)  # (every member may leave, worker 0 too)
+
+
+@pytest.mark.parametrize("departure_at", [None, 0.1], ids=["forms", "overtaken"])
+def test_a_simulated_group_takes_run_form_time_to_form_and_a_departure_meanwhile_gives_it_up(departure_at):
+    sim = Simulation()
+    wire = start(sim, 3, ideal_links(3), seed=0)
+    membership = SimulatedMembership(sim, wire, SimpleNamespace(min_workers=1), 3, lambda _: None, form_s=0.25)
+    ended: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        superseded = lambda: "a newer generation" if membership.newest.number > 0 else None  # noqa: E731
+        try:
+            membership.member(rank, 10.0).form(membership.newest, torch.device("cpu"), 10.0, None, None, superseded)
+            ended[rank] = timing.now()
+        except RuntimeError as e:
+            ended[rank] = str(e)
+
+    for rank in range(3):
+        sim.spawn(lambda rank=rank: member(rank), f"worker {rank}", rank=rank, main=True)
+    if departure_at is not None:
+        sim.spawn(lambda: (timing.sleep(departure_at), membership.publish(left=[{"member": 2, "how": "killed"}])),
+                  "churn")  # fmt: skip
+    sim.run()
+    expected = 0.25 if departure_at is None else "a newer generation"
+    assert ended == {0: expected, 1: expected, 2: expected}
+
+
+def test_churn_faster_than_re_forming_ends_the_simulated_run_naming_why_not_a_member_churn_took_out(tmp_path):
+    # (a member leaves every 75 ms, and a group takes 0.1 s to form: the members holding the state all go)
+    with pytest.raises(WorkerFailed, match=r"^worker \d+ failed: every member that held the run's state is gone"):
+        fast.train(out=str(tmp_path / "run"), **{**SIMULATED, "run__form_time": "0.1s"})

@@ -224,6 +224,7 @@ def test_a_message_arrives_after_latency_and_transfer_and_queues_behind_the_one_
         ({"run__step_time_spread": -0.1}, r"run\.step_time_spread"),
         ({"run__server_time": "later"}, r"run\.server_time.*\"free\" or \"auto\""),
         ({"run__max_restarts": 1}, r"run\.max_restarts"),
+        ({"run__form_time": "auto"}, r"run\.form_time.*\"free\""),
     ],
 )
 def test_a_bad_simulation_setting_is_a_one_line_error(tmp_path, overrides, message):

@@ -142,6 +142,13 @@ class RunConfig(Section):
         'before its answer goes out; "free" = no time, "auto" = its time on this host, or a duration',
     )
 
+    form_time: str | float = Field(
+        "free",
+        description="simulated engine, a live run: how long forming a generation's group holds up each member (a "
+        "real one meets at the run's store and connects to every other; its re-formed records give form_s); "
+        '"free" = no time, or a duration',
+    )
+
     @field_validator("max_time", "check_interval")
     @classmethod
     def _positive_duration(cls, value: str | float | None, info: ValidationInfo) -> str | float | None:
@@ -155,10 +162,10 @@ class RunConfig(Section):
                 raise ValueError(f'must be a positive duration such as "5min"{hint}')
         return value
 
-    @field_validator("step_time", "eval_time", "server_time")
+    @field_validator("step_time", "eval_time", "server_time", "form_time")
     @classmethod
     def _simulated_time(cls, value: str | float, info: ValidationInfo) -> str | float:
-        words = ("auto",) if info.field_name == "step_time" else ("free", "auto")
+        words = {"step_time": ("auto",), "form_time": ("free",)}.get(info.field_name, ("free", "auto"))
         if value not in words:
             alternatives = " or ".join(f'"{w}"' for w in words)
             try:
@@ -209,6 +216,11 @@ class RunConfig(Section):
     def server_time_s(self) -> float | None:
         """The simulated time of a server's work on one request; None: timed on the host."""
         return _simulated_seconds(self.server_time)
+
+    @property
+    def form_time_s(self) -> float:
+        """The simulated time of forming a live run's group."""
+        return _simulated_seconds(self.form_time) or 0.0
 
     @field_validator("targets")
     @classmethod

@@ -52,7 +52,7 @@ def simulate(fn: Callable[..., Any], config: Config, deployment: Deployment, arg
             def start_joiner(r: int) -> None:
                 tasks.append(sim.spawn(lambda: fn(*args), f"worker {r}", rank=r, main=True))
 
-            membership = SimulatedMembership(sim, wire, deployment, nprocs, start_joiner)
+            membership = SimulatedMembership(sim, wire, deployment, nprocs, start_joiner, config.run.form_time_s)
             sim.shared["membership"] = membership
             if deployment.churn is not None:
                 sim.spawn(membership.churn, "churn")
@@ -68,8 +68,8 @@ def simulate(fn: Callable[..., Any], config: Config, deployment: Deployment, arg
         rank, error = task.rank, task.error
         if _ended_well(error):
             outputs[rank] = task.result
-        elif isinstance(error, Crashed):
-            outputs[rank] = Failure(str(error), 1)
+        elif isinstance(error, Crashed):  # (one churn took out is not what failed the run, as in `launch`)
+            outputs[rank] = Failure(str(error), 1, secondary=membership is not None and rank in membership.evicted)
         else:
             outputs[rank] = failure_of(error, task.traceback) if not isinstance(error, SystemExit) else Failure(
                 f"exited with code {error.code}", error.code if isinstance(error.code, int) else 1)  # fmt: skip

@@ -36,8 +36,9 @@ class SimulatedMembership:
     """The run's membership (what the Coordinator is to real processes); `start_worker(id)` starts a joiner."""
 
     def __init__(self, sim: Simulation, wire: Wire, deployment: Deployment, founders: int,
-                 start_worker: Callable[[int], None]) -> None:  # fmt: skip
+                 start_worker: Callable[[int], None], form_s: float = 0.0) -> None:  # fmt: skip
         self.sim, self.wire, self.deployment, self.start_worker = sim, wire, deployment, start_worker
+        self.form_s = form_s  # (run.form_time) what forming a group costs each member
         self.generations = [Generation(0, list(range(founders)))]
         self.next_id = founders
         self.joiners: set[int] = set()
@@ -48,6 +49,7 @@ class SimulatedMembership:
         self.figures: dict[int, Callable[[], dict[str, Any]]] = {}  # each member's, read at the end
         self.changes: list[dict[str, Any]] = []  # as the summary lists them (fast.runtime.live)
         self.written = False  # a member has written the run's outputs
+        self.evicted: set[int] = set()  # the members churn took out (told to go: no failure of the run's)
         self._waiting: list[Any] = []
 
     @property
@@ -83,6 +85,7 @@ class SimulatedMembership:
     def evict(self, member: int, how: str) -> None:
         """`member`'s machine goes: its tasks end, its peers learn it at once, the next generation is without it."""
         crash = Crashed(f"worker {member} left the run ([faults] churn)")
+        self.evicted.add(member)
         self.wire.leave(member, "left the run")
         for task in self.sim.tasks:
             if task.rank == member and task is not current_task():
@@ -173,7 +176,13 @@ class SimulatedMember:
 
     def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any, make_comm: Any,
              interrupted: Callable[[], str | None] | None = None) -> Comm:  # fmt: skip
-        """(A simulated group forms at once: there is no wait to interrupt.)"""
+        """A generation's group, formed in `run.form_time` (a real one's meeting and connections); RuntimeError, as
+        a real one's, when a newer generation came meanwhile (`interrupted()` says why)."""
+        if self.membership.form_s:
+            timing.sleep(self.membership.form_s)
+            why = interrupted() if interrupted is not None else None
+            if why is not None:
+                raise RuntimeError(why)
         wire = self.membership.wire
         return SimComm(wire=wire, group_id=wire.group(("generation", generation.number)), deadline_s=deadline_s,
                        device=device, counter=counter, ranks=list(generation.members), rank=self.id)  # fmt: skip
