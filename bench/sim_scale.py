@@ -3,8 +3,8 @@ failure rate of bench/churn.py, and the papers' questions at 8 to 128 workers.
 
     .venv/bin/python bench/sim_scale.py [--workers 256 512 1024] [--epochs 1] [--sections scale churn figures]
                                         [--only NAME] [--failure-every 15 | --stay 120] [--absence 3] [--churn-time 150]
-                                        [--churn-strategies sync local-sgd] [--latency 5ms] [--repeat] [--reports DIR]
-                                        [--out FILE]
+                                        [--churn-strategies sync local-sgd] [--latency 5ms] [--form-time 0.2s]
+                                        [--repeat] [--reports DIR] [--out FILE]
 
 Fashion-MNIST, LeNet-5, batch 16 per worker, SGD (lr 0.05, momentum 0.9), links of 100 Mbit/s and 5 ms (`--latency`:
 another), a step charged 5 ms of compute (`run.step_time`, so that every run repeats exactly). Each run is a process
@@ -24,10 +24,11 @@ of its own, so that its peak memory is its own.
   exponential absence of mean `--absence`. Goodput, as the issue defines it:
   samples trained per member-second present, churned over steady. A member is present while it is in a formed
   generation (from the generation's forming to the next one's): a leaver counts until the members re-form without it
-  (the stall it causes is churn's cost), a joiner from the generation that took it in. Compute is virtual and charged
-  per step, so fewer members do not step faster (the skew bench/churn.py must normalise on 2 cores is absent); a
-  smaller ring's all-reduce is a little shorter, which the per-member-second figure keeps. `--repeat`: each churned
-  run twice, which must be equal (deterministic by seed).
+  (the stall it causes is churn's cost), a joiner from the generation that took it in. Each generation's group
+  takes `--form-time` to form (`run.form_time`: a real run's meeting at its store and connections). Compute is
+  virtual and charged per step, so fewer members do not step faster (the skew bench/churn.py must normalise on 2
+  cores is absent); a smaller ring's all-reduce is a little shorter, which the per-member-second figure keeps.
+  `--repeat`: each churned run twice, which must be equal (deterministic by seed).
 - `figures`: `fast compare` of `examples/scale/trend.toml` (paper 004: `sync` against `async-ps` at 8, 32 and 128
   workers) and of `examples/scale/partial.toml` (gossip's send probability against the workers, with replica
   divergence), one report.html each under --reports.
@@ -53,10 +54,12 @@ CHURN_STRATEGIES = {
 }
 
 
-def config(workers: int, strategy: dict[str, Any], epochs: float, latency: str = "5ms") -> dict[str, Any]:
+def config(workers: int, strategy: dict[str, Any], epochs: float, latency: str = "5ms",
+           form_time: str = "free") -> dict[str, Any]:  # fmt: skip
     return {
         "run": {"name": strategy["name"], "seed": 0, "workers": workers, "batch_size": 16, "epochs": epochs,
-                "eval_every": 0, "engine": "simulated", "step_time": "5ms", "targets": [0.7], "log_every": 10},
+                "eval_every": 0, "engine": "simulated", "step_time": "5ms", "targets": [0.7], "log_every": 10,
+                "form_time": form_time},
         "data": {"name": "fashion-mnist"},
         "model": {"name": "lenet"},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -147,6 +150,8 @@ def main() -> None:
     parser.add_argument(
         "--latency", default="5ms", help="the links' latency (a ring of 1,024 pays it 2,046 times an all-reduce)"
     )
+    parser.add_argument("--form-time", default="0.2s", help="churn: what forming a group costs each member "
+                        "(run.form_time; a real run's form_s, 8 members on this machine: 0.2 s)")  # fmt: skip
     parser.add_argument("--repeat", action="store_true", help="churn: run each churned run twice, to compare")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child's job, as JSON
     args = parser.parse_args()
@@ -211,7 +216,7 @@ def churn(args: argparse.Namespace) -> list[dict[str, Any]]:
     every = lifetime / workers
     print(f"\nchurn at {workers} workers: a failure every {every:g} virtual s on average (each worker's mean stay "
           f"{lifetime:g} s), mean absence {args.absence:g} s, {args.churn_time:g} virtual s of training per run, "
-          f"links of {args.latency}\n",
+          f"links of {args.latency}, a group formed in {args.form_time}\n",
           flush=True)  # fmt: skip
     print("| strategy | churn | steps/worker | virtual s | host s | peak MB | accuracy | leaves / joins | catch-up MB "
           "| samples | member-s | samples per member-s | goodput | repeats |\n"
@@ -221,7 +226,7 @@ def churn(args: argparse.Namespace) -> list[dict[str, Any]]:
         strategy = dict(CHURN_STRATEGIES[name])
         if name == "gossip":
             strategy["topology"] = torus(workers)
-        job = config(workers, strategy, 10_000, args.latency)
+        job = config(workers, strategy, 10_000, args.latency, args.form_time)
         job["run"].update(membership="live", max_time=f"{args.churn_time:g}s")
         steady = _one_process(job)
         job["faults"] = {"churn": {"lifetime": f"{lifetime:g}s", "absence": f"{args.absence:g}s"}}
