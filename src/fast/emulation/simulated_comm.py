@@ -343,7 +343,8 @@ class _Attend:
         deadline = sim.now + timeout.total_seconds()
         while meeting.done_at is None:
             gone = [r for r in wire.gone if r in meeting.member_set and r not in meeting.brought]
-            if gone:
+            if gone:  # (it can never complete)
+                self._done()
                 raise RuntimeError(f"Connection closed by peer: worker {gone[0]} is gone ({wire.gone[gone[0]]})")
             if sim.now >= deadline:
                 raise RuntimeError("Timed out waiting for the other members of a collective")
@@ -355,10 +356,17 @@ class _Attend:
             finally:
                 meeting.waiting.remove(task)
         sleep_until(meeting.done_at)
-        meeting.brought.pop(self.comm.rank, None)  # this member is done with it
-        if not meeting.brought and self.key in wire.meetings:
-            del wire.meetings[self.key]
+        self._done()
         return True
+
+    def _done(self) -> None:
+        """This member is done with the collective, completed or broken by a member gone: once every part left in it
+        is a gone member's, it is dropped (a broken generation's parts, a member's gradients or weights each, would
+        otherwise stay to the end of the run)."""
+        wire, meeting = self.comm.wire, self.meeting
+        meeting.brought.pop(self.comm.rank, None)
+        if wire.meetings.get(self.key) is meeting and all(rank in wire.gone for rank in meeting.brought):
+            del wire.meetings[self.key]
 
 
 def world(rank: int, device: torch.device, deadline_s: float) -> SimComm:

@@ -160,8 +160,11 @@ class Wire:
         return message.deliver_at if message is not None else None
 
     def leave(self, rank: int, why: str) -> None:
-        """`rank` is gone: whoever waits on a message from it, or in a collective with it, learns so now."""
+        """`rank` is gone: whoever waits on a message from it, or in a collective with it, learns so now; the
+        messages on their way to it are dropped (a joiner's state, say: they would stay to the end of the run)."""
         self.gone[rank] = why
+        for box in [box for box in self.boxes if box[1] == rank]:
+            del self.boxes[box]
         for tasks in self.waiters.values():
             for task in tasks:
                 self.sim.wake(task)
