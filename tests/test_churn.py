@@ -161,3 +161,14 @@ def test_churn_faster_than_re_forming_ends_the_simulated_run_naming_why_not_a_me
     # (a member leaves every 75 ms, and a group takes 0.1 s to form: the members holding the state all go)
     with pytest.raises(WorkerFailed, match=r"^worker \d+ failed: every member that held the run's state is gone"):
         fast.train(out=str(tmp_path / "run"), **{**SIMULATED, "run__form_time": "0.1s"})
+
+
+def test_the_founders_first_weights_cost_nothing_when_a_departure_overtakes_their_first_group(tmp_path):
+    # (a member leaves every 0.5 s, and a group takes 0.5 s to form: the founders' first group is a later generation,
+    # with a joiner; at 1,024 members, their first weights sent one by one as a catch-up took longer than churn allowed)
+    summary = fast.train(out=str(tmp_path / "run"), **{**SIMULATED, "faults__churn__lifetime": "4s",
+                                                       "run__form_time": "0.5s", "run__max_steps": 6})  # fmt: skip
+    first, *later = summary["membership"]
+    assert first["generation"] > 0 and first["left"] and first["step"] == 0, first
+    state_bytes = max(change["catch_up_bytes"] / len(change["healed"]) for change in later if change["healed"])
+    assert first["catch_up_bytes"] <= len(first["joined"]) * state_bytes, first  # the joiners' states alone

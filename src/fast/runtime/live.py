@@ -869,9 +869,14 @@ class Live:
             self._sitting_out = (until_resumed if resuming else until, tuple(behind_steps))
             channel = world.separate_group()  # (collective) the states' own line, beside the round's exchanges
         sent = 0
-        # the founders' first weights are the run's start, as a broadcast of them is elsewhere: not metered; every
-        # later catch-up is real traffic that churn costs (over emulated links, it takes their time)
-        metered = world.unmetered() if self.generation.number == 0 else contextlib.nullcontext()
+        # a founder's first weights are the run's start, as a broadcast of them is elsewhere: not metered, in whichever
+        # generation first forms (a departure may overtake the first, a joiner come with it); every other catch-up is
+        # real traffic that churn costs (over emulated links, it takes their time)
+        start = (rows[:, HealRow.NEW] == 1).tolist()
+
+        def metered(member: int) -> Any:
+            return world.unmetered() if start[member] else contextlib.nullcontext()
+
         mine = [member for member, source in source_of.items() if source == me]
         if not mine:
             self._snapshots = {}
@@ -890,27 +895,27 @@ class Live:
             # in the order the others wait for them: where the run stands, to each joiner that takes its weights
             # behind the next steps; the whole states; then those weights, in the background (on this member's one
             # link, whatever is sent after a state waits for all of it), from where a cut line of theirs ended
-            with metered:
-                note = packed(progress)
-                for member in later:
-                    world.send_bytes(note, world.ranks[member])
-                    sent += note.numel()
-                for member in mine:
-                    if member not in later:
+            note = packed(progress)
+            for member in later:  # (joiners: metered)
+                world.send_bytes(note, world.ranks[member])
+                sent += note.numel()
+            for member in mine:
+                if member not in later:
+                    with metered(member):
                         world.send_bytes(whole, world.ranks[member])
-                        sent += whole.numel()
-                lines = []  # (one after another, the lines nearest their end first: `sources_for`)
-                for member in later:
-                    payload = self._snapshots[ids[member]].payload
-                    start = int(rows[member, HealRow.CUT_BYTES]) if member in resuming else 0
-                    lines.append((payload, world.ranks[member], start))
-                    sent += payload.numel() - start
-                if lines:
-                    self._sending.append(channel.isend_bytes_in_turn(lines))
+                    sent += 0 if start[member] else whole.numel()
+            lines = []  # (one after another, the lines nearest their end first: `sources_for`)
+            for member in later:
+                payload = self._snapshots[ids[member]].payload
+                cut_at = int(rows[member, HealRow.CUT_BYTES]) if member in resuming else 0
+                lines.append((payload, world.ranks[member], cut_at))
+                sent += payload.numel() - cut_at
+            if lines:
+                self._sending.append(channel.isend_bytes_in_turn(lines))
         elif me in source_of:
             source, source_id = world.ranks[source_of[me]], ids[source_of[me]]
             cut, self._cut = self._cut, None
-            with metered:
+            with metered(me):
                 if me in behind_steps:  # its weights taken before the round's mean, as the others step (`_sat_out`)
                     _, progress = world.recv_bytes(source, limit=PROGRESS_BYTES)
                     self._load_progress(unpacked(progress))
