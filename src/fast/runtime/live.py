@@ -872,10 +872,10 @@ class Live:
         # a founder's first weights are the run's start, as a broadcast of them is elsewhere: not metered, in whichever
         # generation first forms (a departure may overtake the first, a joiner come with it); every other catch-up is
         # real traffic that churn costs (over emulated links, it takes their time)
-        start = (rows[:, HealRow.NEW] == 1).tolist()
+        first_weights = (rows[:, HealRow.NEW] == 1).tolist()
 
         def metered(member: int) -> Any:
-            return world.unmetered() if start[member] else contextlib.nullcontext()
+            return world.unmetered() if first_weights[member] else contextlib.nullcontext()
 
         mine = [member for member, source in source_of.items() if source == me]
         if not mine:
@@ -903,7 +903,7 @@ class Live:
                 if member not in later:
                     with metered(member):
                         world.send_bytes(whole, world.ranks[member])
-                    sent += 0 if start[member] else whole.numel()
+                    sent += 0 if first_weights[member] else whole.numel()
             lines = []  # (one after another, the lines nearest their end first: `sources_for`)
             for member in later:
                 payload = self._snapshots[ids[member]].payload
