@@ -172,3 +172,13 @@ def test_the_founders_first_weights_cost_nothing_when_a_departure_overtakes_thei
     assert first["generation"] > 0 and first["left"] and first["step"] == 0, first
     state_bytes = max(change["catch_up_bytes"] / len(change["healed"]) for change in later if change["healed"])
     assert first["catch_up_bytes"] <= len(first["joined"]) * state_bytes, first  # the joiners' states alone
+
+
+def test_a_member_churn_takes_out_in_the_runs_end_is_survived_in_the_simulated_engine(tmp_path):
+    # (seed 6's draws take member 2 out while the others wait for it in local-sgd's last average)
+    options = {"strategy__name": "local-sgd", "strategy__period": 4, "faults__churn__lifetime": "4s",
+               "run__form_time": "0.5s", "run__epochs": 1, "run__seed": 6}  # fmt: skip
+    summary = fast.train(out=str(tmp_path / "run"), **{**SIMULATED, **options})
+    *_, last = summary["membership"]
+    assert last["step"] == summary["steps_per_worker"] and last["left"] == [{"member": 2, "how": "killed"}], last
+    assert summary["workers_at_end"] == 7 and summary["final_test_accuracy"] > 0.7

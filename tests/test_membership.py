@@ -233,6 +233,74 @@ def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 
 
+DIES_IN_THE_END = """
+import os, signal, sys, time
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import TensorDataset
+import fast
+
+job = fast.init()
+features, labels = load_digits(return_X_y=True)
+data = TensorDataset(torch.tensor(features, dtype=torch.float32) / 16, torch.tensor(labels))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+model, optimizer = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+loader = job.loader(data, batch_size=32, shuffle=True)
+for epoch in range(3):
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        job.log(loss=loss)
+if job.rank == int(sys.argv[1]):  # it dies in the run's end, as the others wait for it in the end's collectives
+    time.sleep(2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def evaluate(model):
+    with torch.no_grad():
+        return {"accuracy": (model(data.tensors[0]).argmax(1) == data.tensors[1]).float().mean().item()}
+
+
+job.finish(evaluate)
+"""
+
+
+@pytest.mark.parametrize("strategy", [{"strategy.name": "local-sgd", "strategy.period": 4},
+                                      pytest.param({"strategy.name": "sync"}, marks=pytest.mark.slow)],
+                         ids=["local-sgd", "sync"])  # fmt: skip
+def test_a_member_that_dies_in_the_runs_end_is_survived_and_the_lowest_live_one_writes_the_run(
+    tmp_path, no_orphans, strategy
+):
+    """Worker 0 dies after its last step, while the others wait for it in the end's collectives (local-sgd's last
+    average, the final evaluation, the figures gathered): they re-form without it and end again, and member 1 writes
+    the whole run folder, the final model the replicas' average, evaluated."""
+    run, script = tmp_path / "run", tmp_path / "dies_in_the_end.py"
+    script.write_text(DIES_IN_THE_END)
+    options = {"run.membership": "live", "run.workers": 3, "run.checkpoint_every": 0, **strategy}
+    done = subprocess.run([FAST, "run", "--out", str(run), *_sets(options), str(script), "0"], capture_output=True,
+                          text=True, env={**os.environ, "FAST_PROGRESS": "0"}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    *_, last = summary["membership"]
+    assert last["members"] == [1, 2] and last["left"] == [{"member": 0, "how": "killed"}], summary["membership"]
+    assert last["step"] == summary["steps_per_worker"], summary["membership"]  # (after the last step)
+    assert summary["written_by"] == 1 and summary["workers_at_end"] == 2
+    assert {r["worker"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())} == {0, 1, 2}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    assert summary["final_test_accuracy"] > 0.9, summary["final_test_accuracy"]
+    from sklearn.datasets import load_digits
+
+    features, labels = load_digits(return_X_y=True)
+    with torch.no_grad():
+        predicted = model(torch.tensor(features, dtype=torch.float32) / 16).argmax(1)
+    assert (predicted == torch.tensor(labels)).float().mean().item() == pytest.approx(summary["final_test_accuracy"])
+
+
 @pytest.mark.slow
 def test_worker_0_of_an_async_run_killed_the_lowest_live_worker_ends_the_run_and_writes_it(tmp_path, no_orphans):
     """async-ps: worker 0 may die too. The run goes on, takes a joiner, and worker 1 (the lowest live one) ends the

@@ -241,7 +241,8 @@ class Detached:
 
     def _lowest_live(self) -> int:
         """The member that does worker 0's duties (`Job.is_main`): the lowest of the newest generation not gone.
-        (While the run ends no generation is published: a member that dies then is seen gone by its silence.)"""
+        (While the run ends a generation only loses members that die: one that dies is seen gone by its silence
+        meanwhile.)"""
         for member in self.member.generation(self.member.newest()).members:
             if member == self.rank or not self._gone(member):
                 return member

@@ -147,6 +147,8 @@ class Ending:
             training_ends()
         try:
             summary = self._finish_worker()
+            if self.live:
+                self.member.done()  # (from here on its exit is no departure)
         finally:
             self._close()
         return summary
@@ -197,6 +199,22 @@ class Ending:
         self.driver.detach()  # the user's steps are over: a strategy's own optimizer steps (ssp's last) are its own
         if self.lockstep and self.workers > 1 and not self.live:
             self.strategy.steps_of_all = self._last_step_of_all  # the most steps any worker took with data
+        if self.live and not self.detached:
+            return self._end_together()
+        return self._end()
+
+    def _end_together(self) -> dict[str, Any] | None:
+        """A live run's end (its members in step): should a member die in its collectives (the strategy's last
+        exchange, the final evaluation, the figures gathered), the others re-form without it, heal where that left
+        them unlike, and end again; the lowest of them writes the outputs."""
+        while True:
+            try:
+                return self._end()
+            except CommError:
+                self._regroup(failed=True)
+
+    def _end(self) -> dict[str, Any] | None:
+        """The strategy's end, the final model and its evaluation, and the outputs."""
         self.strategy.end_of_run()
         self.records.close()
         if self.strategy.survives_failures and not self.live:  # (a live run's members end together)

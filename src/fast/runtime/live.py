@@ -965,8 +965,9 @@ class Live:
             self._boundary_at = -1
 
     def _membership_ends(self) -> None:
-        """The run is ending: member 0 closes the membership to joiners; every member stops its heartbeats."""
-        if self.is_main:
+        """The run is ending: the membership takes nobody in any more. Members in step all end at the same step, and
+        the first there says so (member 0 may have died meanwhile); a detached run is ended by its member 0 alone."""
+        if self.is_main or not self.detached:
             self.member.ending()
 
     def _close_membership(self) -> None:

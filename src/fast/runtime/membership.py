@@ -6,7 +6,9 @@ a numbered list of member ids; a member's rank in the generation's process group
 each generation's group lives under a key prefix of its own. The coordinator alone publishes generations: when
 a member dies (its process exits, or its heartbeats stop), leaves (SIGTERM: it says so before it goes), is
 suspected by a peer whose collective with it failed, or when a joiner is admitted. The members switch at the
-points their strategy can take a change (fast.runtime.live), all at the same step.
+points their strategy can take a change (fast.runtime.live), all at the same step. Once the run is ending (its members
+have taken their last step), nobody comes in: a generation only loses members that die in the end's collectives, and
+the survivors end again without them; a member whose end went through says so, and its exit is no departure.
 
 A sharded run's (`run.shards = K`) members are its replicas' processes, K consecutive ids to a replica (its shard k
 is id r·K + k), and a replica comes and goes whole: a joiner is admitted as K ids at once and enters a generation
@@ -229,7 +231,8 @@ class Coordinator:
 
     def evict(self, member: int, how: str) -> None:
         """Tell `member` to leave (`[faults] churn`): "kill" (it kills itself, a crash) or "term" (SIGTERM); not once
-        the run is closed or ending (its last collectives need every member: a crash then ends the run)."""
+        the run is closed or ending (a member that dies in the end's collectives is survived, but costs the others
+        an end over again)."""
         if not _closed(self.store):
             with self._lock:
                 self._evicted[member] = time.time()
@@ -246,7 +249,7 @@ class Coordinator:
                     self.writer = int(written) if written.isdigit() else None
                     return True
                 generation = self.generation
-                ending = read_key(store, "ending") is not None  # (the watch publishes nothing more)
+                ending = read_key(store, "ending") is not None  # (the watch takes nobody in any more)
                 gone = {entry["member"] for entry in self._departures(store)}
                 if generation.failed or (all(m in gone for m in self.members) and (ending or not self.pending)):
                     return False
@@ -284,10 +287,11 @@ class Coordinator:
                     print(f"fast: the membership skipped a malformed value ({line})", file=sys.stderr, flush=True)
 
     def _round(self) -> None:
-        if read_key(self.store, "ending") is not None:
-            return
-        closed = read_key(self.store, "closed") is not None  # nobody comes in any more; departures still count
+        ending = read_key(self.store, "ending") is not None
+        closed = ending or read_key(self.store, "closed") is not None  # nobody comes in any more; departures count
         left = self._departures(self.store)
+        if ending:  # (a member whose end went through leaves as it should)
+            left = [entry for entry in left if read_key(self.store, f"done/{entry['member']}") is None]
         if not closed:
             self.pending += self._admissions()
         # a joiner enters a generation once its process is up (starting one takes seconds: the members train on)
@@ -305,9 +309,19 @@ class Coordinator:
             return
         gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
+        if ending:  # the members end together: a joiner whose first group never formed is not one of them
+            ended_in = self._last_formed().members
+            members = [m for m in members if m in ended_in]
         self.members = members
         failed = why_it_ends(members[::k], self.deployment.min_workers)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed, suspected))
+
+    def _last_formed(self) -> Generation:
+        """The newest generation whose group formed (the founders' if none has yet)."""
+        for number in range(self.generation.number, 0, -1):
+            if read_key(self.store, f"settled/{number}") == b"formed":
+                return Generation.from_json(self.store.get(PREFIX + f"generation/{number}"))
+        return Generation.from_json(self.store.get(PREFIX + "generation/0"))
 
     def _ask_the_late(self) -> None:
         """While the newest generation waits for its members: one that has not arrived a third of run.deadline_s
@@ -430,6 +444,7 @@ class Member:
         self._stop = threading.Event()
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
         self._ending = False  # worker 0 has ended, as the heartbeat last read it
+        self._ends = False  # this member is one of those that end the run together (`ending`)
         self._figures: Callable[[], dict[str, Any]] | None = None
         self._late: Callable[[], Any] | None = None  # (`on_late`) what it does, once, when the coordinator asks
         self._group_connection: RunStore | None = None
@@ -488,7 +503,9 @@ class Member:
                 if including is None or including in generation.members:
                     return generation
                 after = newest
-            if read_key(self.store, "ended") is not None or read_key(self.store, "ending") is not None:
+            # (one of the members that end together waits for the generation without one that died in the end)
+            ending = not self._ends and read_key(self.store, "ending") is not None
+            if ending or read_key(self.store, "ended") is not None:
                 raise RunEnded("the run ended before this worker could take part again")
             if time.monotonic() - start > self.deadline_s:
                 raise RunEnded(f"no new membership within run.deadline_s = {self.deadline_s:g}s")
@@ -509,7 +526,8 @@ class Member:
                 return decided == b"formed"
             if int(self.store.add(key, 0)) >= len(generation.members):
                 outcome = "formed"
-            elif self.newest() > generation.number or time.monotonic() - start > self.deadline_s:
+            elif (self.newest() > generation.number or time.monotonic() - start > self.deadline_s
+                  or (self._ending and not self._ends)):  # (a joiner the run ended without)  # fmt: skip
                 outcome = "abandoned"
             else:
                 time.sleep(POLL_S)
@@ -607,8 +625,13 @@ class Member:
         self.store.set(PREFIX + "closed", "1")
 
     def ending(self) -> None:
-        """The run is ending (the member that does worker 0's duties says so): nobody else is admitted."""
+        """The run is ending (its members have taken their last step): nobody else is admitted."""
         self.store.set(PREFIX + "ending", "1")
+        self._ends = True
+
+    def done(self) -> None:
+        """This member's end went through: its process may exit, and while the run ends that is no departure."""
+        self.store.set(PREFIX + f"done/{self.id}", "1")
 
     def close(self) -> None:
         self._stop.set()

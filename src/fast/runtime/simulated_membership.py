@@ -59,6 +59,10 @@ class SimulatedMembership:
     def publish(self, joined: Sequence[int] = (), left: Sequence[dict[str, Any]] = (), broken: bool = False) -> None:
         gone = {entry["member"] for entry in left}
         members = [m for m in self.newest.members if m not in gone] + list(joined)
+        if self.ending:  # the members end together: a joiner whose first group never formed is not one of them
+            formed = [number for number, formed in self.settled.items() if formed]
+            ended_in = self.generations[max(formed, default=0)].members
+            members = [m for m in members if m in ended_in]
         failed = why_it_ends(members, self.deployment.min_workers)
         number = len(self.generations)
         self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed, broken))
@@ -138,6 +142,7 @@ class SimulatedMember:
 
     def __init__(self, membership: SimulatedMembership, member: int, joining: bool, deadline_s: float) -> None:
         self.membership, self.id, self.joining, self.deadline_s = membership, member, joining, deadline_s
+        self.ends = False  # one of the members that end the run together
 
     def ready(self) -> None:
         if not (self.membership.closed or self.membership.ending):
@@ -158,7 +163,7 @@ class SimulatedMember:
                 if including is None or including in generation.members:
                     return generation
                 after = generation.number
-            if self.membership.ending:
+            if self.membership.ending and not self.ends:  # (as a real member's wait)
                 raise RunEnded("the run ended before this worker could take part again")
             if not self.membership.park(self.deadline_s):
                 raise RunEnded(f"no new membership within run.deadline_s = {self.deadline_s:g}s")
@@ -170,7 +175,8 @@ class SimulatedMember:
             if len(membership.arrived[number]) >= len(generation.members):
                 membership.settle(number, formed=True)
         while number not in membership.settled:
-            if self.newest() > number or not membership.park(self.deadline_s):
+            ended_without = membership.ending and not self.ends  # (a joiner)
+            if self.newest() > number or ended_without or not membership.park(self.deadline_s):
                 membership.settle(number, formed=False)
         return membership.settled[number]
 
@@ -220,8 +226,11 @@ class SimulatedMember:
         self.membership.closed = True
 
     def ending(self) -> None:
-        self.membership.ending = True
+        self.membership.ending = self.ends = True
         self.membership.wake_all()
+
+    def done(self) -> None:
+        pass  # (a simulated member's end is no exit the membership could take for a departure)
 
     def close(self) -> None:
         pass

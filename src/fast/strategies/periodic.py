@@ -75,9 +75,10 @@ class PeriodicAveraging(Strategy):
         """Average `tensor` in place over the workers whose replica moved since the last round: a worker whose loop
         has ended (its steps without data, as with DDP's Join) sends zeros and is not counted. False, and
         `nobody_contributed`, when no worker moved: the round then changes nothing (no outer step either)."""
-        buffer = with_count(tensor, self.moved)
-        moved, self.moved = self.moved, False
-        self.comm.all_reduce(buffer)
+        moved = self.moved
+        buffer = with_count(tensor, moved)
+        self.comm.all_reduce(buffer)  # (should it fail, the round is given up: this replica still moved since the last)
+        self.moved = False
         mean = mean_of_counted(buffer, moved)
         self.nobody_contributed = mean is None
         if mean is not None:
