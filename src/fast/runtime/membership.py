@@ -443,8 +443,8 @@ class Member:
             raise RunEnded(f"the run's membership at {access.address} does not answer: the run has ended") from None
         self._stop = threading.Event()
         self._asked_to_stop = False  # `fast stop`, as the heartbeat last read it (off the training step's path)
-        self._ending = False  # worker 0 has ended, as the heartbeat last read it
-        self._ends = False  # this member is one of those that end the run together (`ending`)
+        self._ending = False  # the run is ending, as the heartbeat last read it
+        self._in_the_run = False  # a group of this member's has formed (not a joiner still on its way in)
         self._figures: Callable[[], dict[str, Any]] | None = None
         self._late: Callable[[], Any] | None = None  # (`on_late`) what it does, once, when the coordinator asks
         self._group_connection: RunStore | None = None
@@ -503,8 +503,8 @@ class Member:
                 if including is None or including in generation.members:
                     return generation
                 after = newest
-            # (one of the members that end together waits for the generation without one that died in the end)
-            ending = not self._ends and read_key(self.store, "ending") is not None
+            # (while the run ends, a member of it waits on for the generation without one that died meanwhile)
+            ending = (including is not None or not self._in_the_run) and read_key(self.store, "ending") is not None
             if ending or read_key(self.store, "ended") is not None:
                 raise RunEnded("the run ended before this worker could take part again")
             if time.monotonic() - start > self.deadline_s:
@@ -513,8 +513,13 @@ class Member:
 
     def arrive(self, generation: Generation) -> bool:
         """Wait until every member of `generation` has arrived to form its group: True, and every member forms it;
-        or False, and none does (a newer generation came first, or a member never came). The first member to see
-        either settles it for all, by compare-and-set."""
+        or False, and none does (a newer generation came first, a member never came, or the run is ending without
+        this joiner). The first member to see either settles it for all, by compare-and-set."""
+        formed = self._settle(generation)
+        self._in_the_run = self._in_the_run or formed
+        return formed
+
+    def _settle(self, generation: Generation) -> bool:
         key, settled = PREFIX + f"arrived/{generation.number}", PREFIX + f"settled/{generation.number}"
         if read_key(self.store, f"settled/{generation.number}") is None:
             self.store.set(PREFIX + f"arrived/{generation.number}/{self.id}", "1")  # (who: `_ask_the_late`)
@@ -527,7 +532,7 @@ class Member:
             if int(self.store.add(key, 0)) >= len(generation.members):
                 outcome = "formed"
             elif (self.newest() > generation.number or time.monotonic() - start > self.deadline_s
-                  or (self._ending and not self._ends)):  # (a joiner the run ended without)  # fmt: skip
+                  or (self._ending and not self._in_the_run)):  # fmt: skip
                 outcome = "abandoned"
             else:
                 time.sleep(POLL_S)
@@ -627,7 +632,6 @@ class Member:
     def ending(self) -> None:
         """The run is ending (its members have taken their last step): nobody else is admitted."""
         self.store.set(PREFIX + "ending", "1")
-        self._ends = True
 
     def done(self) -> None:
         """This member's end went through: its process may exit, and while the run ends that is no departure."""

@@ -142,7 +142,7 @@ class SimulatedMember:
 
     def __init__(self, membership: SimulatedMembership, member: int, joining: bool, deadline_s: float) -> None:
         self.membership, self.id, self.joining, self.deadline_s = membership, member, joining, deadline_s
-        self.ends = False  # one of the members that end the run together
+        self.in_the_run = False  # a group of this member's has formed (not a joiner still on its way in)
 
     def ready(self) -> None:
         if not (self.membership.closed or self.membership.ending):
@@ -163,7 +163,7 @@ class SimulatedMember:
                 if including is None or including in generation.members:
                     return generation
                 after = generation.number
-            if self.membership.ending and not self.ends:  # (as a real member's wait)
+            if self.membership.ending and (including is not None or not self.in_the_run):  # (as a real member's)
                 raise RunEnded("the run ended before this worker could take part again")
             if not self.membership.park(self.deadline_s):
                 raise RunEnded(f"no new membership within run.deadline_s = {self.deadline_s:g}s")
@@ -175,9 +175,10 @@ class SimulatedMember:
             if len(membership.arrived[number]) >= len(generation.members):
                 membership.settle(number, formed=True)
         while number not in membership.settled:
-            ended_without = membership.ending and not self.ends  # (a joiner)
+            ended_without = membership.ending and not self.in_the_run  # (a joiner)
             if self.newest() > number or ended_without or not membership.park(self.deadline_s):
                 membership.settle(number, formed=False)
+        self.in_the_run = self.in_the_run or membership.settled[number]
         return membership.settled[number]
 
     def form(self, generation: Generation, device: torch.device, deadline_s: float, counter: Any, make_comm: Any,
@@ -226,7 +227,7 @@ class SimulatedMember:
         self.membership.closed = True
 
     def ending(self) -> None:
-        self.membership.ending = self.ends = True
+        self.membership.ending = True
         self.membership.wake_all()
 
     def done(self) -> None:
