@@ -828,7 +828,8 @@ class Live:
         with world.unmetered():
             rows = control.gathered(world, torch.tensor(row, dtype=torch.int64))
         unagreed, self._unagreed = self._unagreed, None
-        ids = rows[:, HealRow.ID].tolist()
+        # (the table is on the host, read once: each member's id, and whether it is new, holds the state or is a joiner)
+        ids, news = rows[:, [HealRow.ID, HealRow.NEW]].T.tolist()
         holders = (rows[:, HealRow.NEW] != HealRow.EMPTY).nonzero().flatten()
         if not len(holders):
             members = ", ".join(map(str, ids))
@@ -863,7 +864,7 @@ class Live:
         source_of, resuming = sources_for(behind, sources, {m: (s, to_come[m]) for m, s in resumable.items()})
         restarted |= {m: "another source had it in sooner" for m in resumable if m not in resuming}
         others = [m for m in behind if m not in resuming]
-        joiners = [m for m in others if int(rows[m, HealRow.NEW]) == HealRow.EMPTY]
+        joiners = [m for m in others if news[m] == HealRow.EMPTY]
         behind_steps = resuming + (joiners if until is not None else [])
         if behind_steps:
             self._sitting_out = (until_resumed if resuming else until, tuple(behind_steps))
@@ -872,7 +873,7 @@ class Live:
         # a founder's first weights are the run's start, as a broadcast of them is elsewhere: not metered, in whichever
         # generation first forms (a departure may overtake the first, a joiner come with it); every other catch-up is
         # real traffic that churn costs (over emulated links, it takes their time)
-        first_weights = (rows[:, HealRow.NEW] == 1).tolist()
+        first_weights = [new == 1 for new in news]
 
         def metered(member: int) -> Any:
             return world.unmetered() if first_weights[member] else contextlib.nullcontext()

@@ -103,6 +103,12 @@ def why_it_ends(members: list[int], min_workers: int) -> str | None:
     return None
 
 
+def ending_with(members: list[int], last_formed: list[int]) -> list[int]:
+    """While the run ends, a new generation's members: nobody comes in, so a joiner whose first group never formed
+    is not one of the members that end together (those of `last_formed`, the newest group that formed)."""
+    return [m for m in members if m in last_formed]
+
+
 @dataclass(frozen=True)
 class Access:
     """How a process reaches the run's store: its address and the run's secret."""
@@ -309,9 +315,8 @@ class Coordinator:
             return
         gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
-        if ending:  # the members end together: a joiner whose first group never formed is not one of them
-            ended_in = self._last_formed().members
-            members = [m for m in members if m in ended_in]
+        if ending:
+            members = ending_with(members, self._last_formed().members)
         self.members = members
         failed = why_it_ends(members[::k], self.deployment.min_workers)
         self._publish(Generation(self.generation.number + 1, members, joined, left, time.time(), failed, suspected))

@@ -27,7 +27,7 @@ from fast.emulation.simulated_machine import Crashed
 from fast.emulation.wire import Wire
 from fast.parts import Deployment
 from fast.runtime.churn import ChurnDraws
-from fast.runtime.membership import Generation, RunEnded, why_it_ends
+from fast.runtime.membership import Generation, RunEnded, ending_with, why_it_ends
 
 CHURN_POLL_S = 0.05  # virtual seconds between the churn task's looks at the membership
 
@@ -59,10 +59,9 @@ class SimulatedMembership:
     def publish(self, joined: Sequence[int] = (), left: Sequence[dict[str, Any]] = (), broken: bool = False) -> None:
         gone = {entry["member"] for entry in left}
         members = [m for m in self.newest.members if m not in gone] + list(joined)
-        if self.ending:  # the members end together: a joiner whose first group never formed is not one of them
-            formed = [number for number, formed in self.settled.items() if formed]
-            ended_in = self.generations[max(formed, default=0)].members
-            members = [m for m in members if m in ended_in]
+        if self.ending:
+            last_formed = max((number for number, formed in self.settled.items() if formed), default=0)
+            members = ending_with(members, self.generations[last_formed].members)
         failed = why_it_ends(members, self.deployment.min_workers)
         number = len(self.generations)
         self.generations.append(Generation(number, members, list(joined), list(left), timing.wall(), failed, broken))
