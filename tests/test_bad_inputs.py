@@ -79,6 +79,19 @@ def test_fast_run_with_no_workers_is_refused(tmp_path, capsys, workers):
     _refused(capsys, ["run", "--workers", workers, str(tmp_path / "loop.py")], f"--workers {workers}")
 
 
+def test_a_script_that_trains_at_its_top_level_is_told_to_guard_it(tmp_path, no_orphans):
+    """A process that imported torch before FAST starts its workers from a fork server, which imports the script
+    again in each of them: the call at the script's top level would train again in every worker."""
+    script = tmp_path / "unguarded.py"
+    (tmp_path / "job.toml").write_text(JOB)
+    script.write_text(f"import torch\nimport fast\nfast.train('job.toml', out={str(tmp_path / 'run')!r})\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == "fast: error: worker 0 exited with code 2; the run was stopped", done.stderr
+    assert all('under `if __name__ == "__main__":`' in line for line in lines[:-1]) and lines[:-1], done.stderr
+
+
 def test_a_shared_memory_file_is_readable_by_its_owner_only():
     path = new_shared_file("sum", 4096)
     try:

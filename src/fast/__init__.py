@@ -132,16 +132,20 @@ def train(
     model and the cross-entropy step; both must be importable top-level functions (workers are processes).
     Overrides use `__` for dots: `fast.train("job.toml", run__workers=2, strategy__name="sync")`.
     """
+    from fast.runtime.launch import refuse_while_starting_a_worker
     from fast.tools.start import train as _train
 
+    refuse_while_starting_a_worker("fast.train()")
     return _train(config, out=out, model_fn=model_fn, step_fn=step_fn, resume=resume, **overrides)
 
 
 def run(script: str, *args: str, workers: int | None = None, config: str | None = None, out: Any = None,
         **overrides: Any) -> dict[str, Any] | None:  # fmt: skip
     """`fast run`: your script (which calls fast.init) on `workers` local processes; returns the summary."""
+    from fast.runtime.launch import refuse_while_starting_a_worker
     from fast.tools.start import run_script
 
+    refuse_while_starting_a_worker("fast.run()")
     return run_script(script, list(args), workers=workers, config=config, out=out, **overrides)
 
 
@@ -150,8 +154,10 @@ def compare(config: Any, out: str | None = None, *, script: str | None = None, s
     """Run every `[[variant]]` of a config (TOML path or dict) into `out`/<variant> and write report.html there;
     returns a `fast.tools.comparison.Comparison` (the report's path and how each variant ended). Overrides as in
     `train`. With `script`, each variant runs your own script as `fast run` does, its keys the launcher's."""
+    from fast.runtime.launch import refuse_while_starting_a_worker
     from fast.tools.comparison import compare as _compare
 
+    refuse_while_starting_a_worker("fast.compare()")
     return _compare(config, out, script=script, script_args=list(script_args or []), **overrides)
 
 

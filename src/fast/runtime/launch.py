@@ -47,6 +47,18 @@ LINGER_S = 1.0  # under the elastic agent, seconds a worker that lost a peer wai
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for a peer gone
 
 
+def refuse_while_starting_a_worker(call: str) -> None:
+    """A worker process that a fork server (or spawn) starts imports the script its launcher ran, as `__mp_main__`:
+    a script that calls `fast.train` at its top level would start a run again in every worker (each one's claim on
+    the run folder then fails, or each starts a run of its own). The worker says so, with the fix, and exits 2 (a
+    fork server's child that raised would exit 1)."""
+    if getattr(mp.current_process(), "_inheriting", False):  # (multiprocessing's flag while the import runs)
+        print(f"fast: error: {call} ran in a worker process that imported your script as it started: call it under "
+              '`if __name__ == "__main__":` (each worker process imports the script its launcher ran)',
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(ConfigError.exit_code)
+
+
 class WorkerFailed(FastError):
     """A worker process ended with an error; the run was stopped. Its exit code is the failed worker's (2 for a
     configuration error), and `traceback` the user code's traceback when that raised."""
@@ -607,7 +619,7 @@ def _root_cause(outputs: dict[int, Any], exited: dict[int, int]) -> Failure | No
     for rank, code in exited.items():
         if code != 0 and rank not in outputs:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            causes.append((False, rank, Failure(f"worker {rank} {how}; the run was stopped")))
+            causes.append((False, rank, Failure(f"worker {rank} {how}; the run was stopped", max(code, 1))))
     return min(causes, key=lambda c: (c[0], c[1]))[2] if causes else None
 
 
