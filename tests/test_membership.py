@@ -233,7 +233,9 @@ def test_worker_0_killed_its_duties_pass_to_the_lowest_live_member(tmp_path, no_
     assert not (run / "membership.secret").exists() and not (run / "membership.json").exists()
 
 
-DIES_IN_THE_END = """
+# argv: the rank that dies in the run's end; the rank that sleeps, from step 5 on, in each step that ends a period of
+# N steps, those seconds, and N (-1: none)
+DIGITS_SCRIPT = """
 import os, signal, sys, time
 import torch
 from sklearn.datasets import load_digits
@@ -251,6 +253,8 @@ loader = job.loader(data, batch_size=32, shuffle=True)
 for epoch in range(3):
     for x, y in loader:
         loss = nn.functional.cross_entropy(model(x), y)
+        if job.rank == int(sys.argv[2]) and job.step >= 5 and job.step % int(sys.argv[4]) == int(sys.argv[4]) - 1:
+            time.sleep(float(sys.argv[3]))  # (the others wait for it in the step's, or the round's, all-reduce)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -279,9 +283,10 @@ def test_a_member_that_dies_in_the_runs_end_is_survived_and_the_lowest_live_one_
     average, the final evaluation, the figures gathered): they re-form without it and end again, and member 1 writes
     the whole run folder, the final model the replicas' average, evaluated."""
     run, script = tmp_path / "run", tmp_path / "dies_in_the_end.py"
-    script.write_text(DIES_IN_THE_END)
+    script.write_text(DIGITS_SCRIPT)
     options = {"run.membership": "live", "run.workers": 3, "run.checkpoint_every": 0, **strategy}
-    done = subprocess.run([FAST, "run", "--out", str(run), *_sets(options), str(script), "0"], capture_output=True,
+    done = subprocess.run([FAST, "run", "--out", str(run), *_sets(options), str(script), "0", "-1", "0", "1"],
+                          capture_output=True,
                           text=True, env={**os.environ, "FAST_PROGRESS": "0"}, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -299,6 +304,45 @@ def test_a_member_that_dies_in_the_runs_end_is_survived_and_the_lowest_live_one_
     with torch.no_grad():
         predicted = model(torch.tensor(features, dtype=torch.float32) / 16).argmax(1)
     assert (predicted == torch.tensor(labels)).float().mean().item() == pytest.approx(summary["final_test_accuracy"])
+
+
+@pytest.mark.parametrize(("strategy", "period"), [({"strategy.name": "sync"}, 1),
+                                                  pytest.param({"strategy.name": "local-sgd", "strategy.period": 4}, 4,
+                                                               marks=pytest.mark.slow)],
+                         ids=["sync", "local-sgd"])  # fmt: skip
+def test_collectives_that_fail_again_and_again_with_every_member_alive_end_the_run_in_one_line(
+    tmp_path, no_orphans, strategy, period
+):
+    """Worker 1's last step of each period (sync: each step; local-sgd: each round's) takes longer than
+    run.deadline_s from step 5 on, its step counter standing still meanwhile: the others' all-reduce passes its
+    deadline, every member re-forms, and it fails again. Re-forming mends
+    nothing there: the fifth failure in a row ends each member's part with the cause. Before, sync took step 5 again
+    and again, saying nothing, and local-sgd re-formed at every round and never averaged."""
+    run, script = tmp_path / "run", tmp_path / "slow_member.py"
+    script.write_text(DIGITS_SCRIPT)
+    options = {"run.membership": "live", "run.workers": 3, "run.checkpoint_every": 0, "run.deadline_s": 2, **strategy}
+    started = time.monotonic()
+    command = [FAST, "run", "--out", str(run), *_sets(options), str(script), "-1", "1", "2.5", str(period)]
+    quiet = {**os.environ, "FAST_PROGRESS": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, env=quiet, timeout=300)
+    assert done.returncode == 1, done.stderr[-4000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("fast: ")]
+    assert said[-1].startswith("fast: error: worker ") and len(said) == 4, done.stderr[-4000:]
+    assert all(
+        "failed 5 times in a row (the last at step " in line
+        and "re-formed each time with every member still in the run" in line
+        for line in said
+    ), done.stderr[-4000:]
+    assert any("passed its 2s deadline" in line for line in said), done.stderr[-4000:]
+    reforms = [json.loads(line) for line in (run / "workers" / "metrics-0.jsonl").read_text().splitlines()
+               if '"re-formed"' in line]  # fmt: skip
+    assert len(reforms) == 4 and all(r["failed"] for r in reforms), reforms
+    if strategy["strategy.name"] == "sync":
+        assert {r["step"] for r in reforms} == {5} and "(the last at step 5)" in said[-1], (reforms, said)
+    else:  # (at each round's end: its local steps stand)
+        steps = [r["step"] for r in reforms]
+        assert [b - a for a, b in zip(steps, steps[1:], strict=False)] == [4, 4, 4], reforms
+    assert time.monotonic() - started < 200
 
 
 @pytest.mark.slow

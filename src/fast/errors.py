@@ -41,3 +41,9 @@ class CommTimeout(CommError):
 
 class FrameError(CommError):
     """Bytes received on the wire do not form a valid frame (bad magic, version, length or checksum)."""
+
+
+def first_line(error: BaseException) -> str:
+    """What `error` says, in one line (its type's name where it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

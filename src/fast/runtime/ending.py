@@ -210,8 +210,8 @@ class Ending:
         while True:
             try:
                 return self._end()
-            except CommError:
-                self._regroup(failed=True)
+            except CommError as e:
+                self._regroup(failure=e)
 
     def _end(self) -> dict[str, Any] | None:
         """The strategy's end, the final model and its evaluation, and the outputs."""

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fast.comm import bootstrap as engine
-from fast.errors import CommError, ConfigError, FastError
+from fast.errors import CommError, ConfigError, FastError, first_line
 from fast.first_import import TORCH_CAME_FIRST
 from fast.interrupts import TERMINATION_SIGNALS, Stopped, held_interrupts, how_interrupted
 from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
@@ -145,7 +145,7 @@ class Failure:
 
 def failure_of(e: BaseException, trace: str | None = None) -> Failure:
     """How `e` failed its process; `trace` is its traceback when it is not the exception being handled."""
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    message = first_line(e)
     if isinstance(e, FastError):
         return Failure(message, e.exit_code, None, secondary=isinstance(e, CommError))
     shown = (trace or traceback.format_exc()) if not isinstance(e, KeyboardInterrupt) else None

@@ -62,7 +62,7 @@ from fast.comm import bootstrap as engine
 from fast.comm import timing
 from fast.comm.comm import IncomingBytes, limit_for, packed, unpacked
 from fast.emulation.deployment import comm_maker, network_for
-from fast.errors import CommError, FastError
+from fast.errors import CommError, FastError, first_line
 from fast.runtime import control
 from fast.runtime.control import Answer, Control
 from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded, report_left
@@ -183,6 +183,10 @@ def fingerprint(state: dict[str, Any]) -> str:
 # generation (churn faster than re-forms) restarts only the waits; the member says so and leaves (`_watched`)
 REFORM_PATIENCE = 10
 STUCK_EXIT_CODE = 3
+# collectives that fail this many times in a row with the same members, none gone and none come, and no change point
+# passed without a failure in between, fail for a cause that re-forming does not mend (a member's step longer than
+# run.deadline_s, say)
+UNEXPLAINED_FAILURES = 5
 PROGRESS_BYTES = 1 << 20  # the most a state without its tensors (step, data position, schedule) may be
 KEPT_BYTES = 1 << 30  # the most a joiner keeps of the averages of the steps or rounds it sits out
 
@@ -215,6 +219,9 @@ class Live:
     _unagreed: Callable[[], None] | None = None
     _switch_waits = False  # a newer generation that only adds members waits for the state of joiners sitting out
     _reforming: Reforming  # (a re-form under way) its time so far, for its record
+    # the members of the last failed collective, and how many failed in a row with them (`_failed_again`)
+    _failures_in_a_row: tuple[tuple[int, ...], int] = ((), 0)
+    _failed_since_boundary = False  # a collective failed since the last change point began
 
     def _start_membership(self) -> None:
         """Join the membership (a founder, or a joiner `fast join` had admitted) and form the first group."""
@@ -344,6 +351,9 @@ class Live:
         """The members' round before a step: switch to a newer generation, all at this step (and heal)."""
         if self._boundary_at == self.step or not self.strategy.change_point(self.step):
             return
+        if not self._failed_since_boundary:  # (a step, or a round, has gone through)
+            self._failures_in_a_row = ((), 0)
+        self._failed_since_boundary = False
         while True:
             answered, self._answered = self._answered, None
             try:
@@ -351,8 +361,8 @@ class Live:
                     answer, samples = answered[1:]
                 else:
                     answer, samples = self._membership_round(self.step), self.driver.samples
-            except CommError:
-                self._regroup(failed=True)
+            except CommError as e:
+                self._regroup(failure=e)
                 continue
             # (a member gone since the last boundary takes what it trained since with it: a round it did not end)
             self.samples_trained += answer.total(2)
@@ -371,7 +381,7 @@ class Live:
                 continue  # a step sat out, or a re-form (a peer went meanwhile, healed): the boundary again
             if self._coming is not None and not answer.any(4) and not self._take_state_behind():
                 continue  # (a joiner whose state came since its last step takes it first) a peer went meanwhile
-            self._regroup(failed=False)
+            self._regroup(failure=None)
 
     def _membership_round(self, step: int) -> Answer:
         """The members' round before `step`: whether member 0 sees a newer generation, whether the run ends, the
@@ -461,8 +471,8 @@ class Live:
                 return False
             try:
                 self._step_without_data()
-            except CommError:
-                self._regroup(failed=True)
+            except CommError as e:
+                self._regroup(failure=e)
                 return False
             self._keep_round()
         # (the run ended within the round: its last mean needs the state too)
@@ -488,8 +498,8 @@ class Live:
         healed)."""
         try:
             self._step_without_data(keep=True)
-        except CommError:
-            self._regroup(failed=True)
+        except CommError as e:
+            self._regroup(failure=e)
 
     def _keep_step(self) -> None:
         """(A sync joiner) what every member applied at the step it sat out: applied at once if its state is in,
@@ -573,23 +583,26 @@ class Live:
         did not form), re-form without it (which re-makes the strategy's groups: the setup has set its model)."""
         try:
             set_up()
-        except CommError:
-            self._regroup(failed=True, heal=False)
+        except CommError as e:
+            self._regroup(failure=e, heal=False)
 
     def _first_heal(self) -> None:
         """Every member from member 0's state: a founder its first weights, a joiner all of it."""
         try:
             self._heal(fresh=True)
-        except CommError:
-            self._regroup(failed=True, fresh=True)
+        except CommError as e:
+            self._regroup(failure=e, fresh=True)
 
-    def _step_failed(self) -> None:
+    def _step_failed(self, failure: CommError) -> None:
         """A collective of this step failed: the step is discarded here and on every survivor; re-form and heal."""
-        self._regroup(failed=True)
+        self._regroup(failure=failure)
 
-    def _regroup(self, failed: bool, fresh: bool = False, heal: bool = True) -> None:
+    def _regroup(self, failure: CommError | None, fresh: bool = False, heal: bool = True) -> None:
+        """Form the newest generation's group and heal: after `failure` (a collective of this member's failed:
+        the members re-form without whoever is gone), or to switch to a newer generation all at one step (None)."""
         self._reforming = Reforming()
-        if failed:
+        if failure is not None:
+            self._failed_again(failure)
             self.member.suspect(self.generation.number)
         engine.abort()  # a peer still waiting in a collective of the old group fails now
         self.strategy.abandon()
@@ -602,9 +615,24 @@ class Live:
                     with self._phase("heal"):
                         self._heal(fresh=fresh)
                     break
-                except CommError:
+                except CommError as e:
+                    self._failed_again(e)
                     self.member.suspect(self.generation.number)
-        self._reformed_record(failed)
+        self._reformed_record(failure is not None)
+
+    def _failed_again(self, failure: CommError) -> None:
+        """Count `failure`; the UNEXPLAINED_FAILURES-th in a row over the same members (none gone, none come, and
+        no step or round gone through in between: re-forming has mended nothing) ends this member's part in one
+        line, rather than take the step (or the round, or the run's end) again and again. Its peers count the same
+        failures and end too."""
+        members = tuple(self.generation.members)
+        last_members, count = self._failures_in_a_row
+        count = count + 1 if members == last_members else 1
+        self._failures_in_a_row, self._failed_since_boundary = (members, count), True
+        if count >= UNEXPLAINED_FAILURES:
+            raise FastError(f"the run's collectives failed {count} times in a row (the last at step {self.step}), "
+                            "re-formed each time with every member still in the run, so re-forming does not mend it; "
+                            f"the last time: {first_line(failure)}")  # fmt: skip
 
     @contextlib.contextmanager
     def _watched(self) -> Iterator[None]:
@@ -715,8 +743,8 @@ class Live:
         started = timing.now()
         try:
             state = unpacked(incoming.take(self._superseded))
-        except CommError:
-            self._regroup(failed=True)  # (the heal may resume the line where it broke)
+        except CommError as e:
+            self._regroup(failure=e)  # (the heal may resume the line where it broke)
             return False
         self._coming = None
         self._load_holdings(state)

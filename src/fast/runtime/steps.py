@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fast.comm import timeline
-from fast.errors import CommError
+from fast.errors import CommError, first_line
 from fast.flags import Flag, either, zero_where
 from fast.shards import ShardedReplica
 from fast.shards.local import local_tensor
@@ -104,11 +104,11 @@ class StepDriver:
         self.on_begin: Callable[[], None] | None = None
         self.on_first_batch: Callable[[Any, Any], None] | None = None  # the first training forward's inputs, once
         # live membership: a step whose exchange failed (a peer is gone) is discarded, then this re-forms the group
-        self.on_failure: Callable[[], None] | None = None
+        self.on_failure: Callable[[CommError], None] | None = None
         # (and a strategy that `agrees_before_step`) after the step's exchange, before its optimizer step: raises
         # CommError unless every member's exchange went through, so that the step is discarded by all or by none
         self.on_exchanged: Callable[[], None] | None = None
-        self.failed = False
+        self.failed: CommError | None = None  # the step's exchange failed (live membership): how
         self.replaying = False  # kept gradients go through the optimizer without the step's hooks (`replay`)
         self.model: nn.Module
         self.params: list[nn.Parameter] = []  # what the strategy and the checks see (a sharded replica's local shards)
@@ -254,10 +254,10 @@ class StepDriver:
                     replica.settle()  # shards or none (a shard whose exchange failed leaves this barrier broken)
                 if self.on_exchanged is not None:
                     self.on_exchanged()
-            except CommError:
+            except CommError as e:
                 if self.on_failure is None:
                     raise
-                self.failed = True
+                self.failed = e
                 for p in self.params:  # the optimizer leaves parameters without a gradient alone
                     p.grad = None
         if replica is not None:
@@ -344,30 +344,31 @@ class StepDriver:
     def _optimizer_ends(self) -> None:
         self._computed()
         self._restore_found_inf()
-        if self.failed:  # discarded: the step is taken again over the re-formed group
-            self.began = self.backward_done = self.bad = self.failed = False
-            self.on_failure()
+        if self.failed is not None:  # discarded: the step is taken again over the re-formed group
+            failure, self.failed = self.failed, None
+            self.began = self.backward_done = self.bad = False
+            self.on_failure(failure)
             return
         with timeline.span("strategy.after_optimizer_step", "communicate"):
-            round_failed = not self._round_went_through()
+            round_failure = self._round_failure()
         self.machine.after_step()  # times the step's own work, its communication waits left out
         bad = self.bad
         self.step += 1
         self.began = self.backward_done = self.bad = False
         self.on_step_done(bad)
-        if round_failed:
-            self.on_failure()
+        if round_failure is not None:
+            self.on_failure(round_failure)
 
-    def _round_went_through(self) -> bool:
-        """The strategy's work after the optimizer's step; False where a round's exchange in it failed in a live run
-        (a peer is gone): the local step stands, the round is given up."""
+    def _round_failure(self) -> CommError | None:
+        """The strategy's work after the optimizer's step; how a round's exchange in it failed in a live run (a peer
+        is gone: the local step stands, the round is given up), None where it went through."""
         try:
             self.strategy.after_optimizer_step(self.step)
-        except CommError:
+        except CommError as e:
             if self.on_failure is None:
                 raise
-            return False
-        return True
+            return e
+        return None
 
     def null_step(self) -> None:
         """A step without data (a worker that has finished while the others go on): the strategy's exchanges with
@@ -378,14 +379,15 @@ class StepDriver:
             for p in {*self.params, *self.model_params}:
                 p.grad = None
             self.gradients_done()
-            if self.failed:  # (a live run's) its exchange failed: discarded, as a step with data is
-                self.began = self.backward_done = self.bad = self.failed = False
-                raise CommError("a step without data: its exchange failed (a peer is gone)")
-            round_failed = not self._round_went_through()  # (the step stands, as a step with data's does)
+            if self.failed is not None:  # (a live run's) its exchange failed: discarded, as a step with data is
+                failure, self.failed = self.failed, None
+                self.began = self.backward_done = self.bad = False
+                raise CommError(f"a step without data: its exchange failed ({first_line(failure)})")
+            round_failure = self._round_failure()  # (the step stands, as a step with data's does)
             self.step += 1
             self.began = self.backward_done = self.bad = False
-            if round_failed:
-                raise CommError("a step without data: its round's exchange failed (a peer is gone)")
+            if round_failure is not None:
+                raise CommError(f"a step without data: its round's exchange failed ({first_line(round_failure)})")
         finally:
             self.strategy.contributing = True
 
