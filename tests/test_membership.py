@@ -912,7 +912,7 @@ def test_a_joiners_line_a_departure_cuts_goes_on_where_it_was_cut(tmp_path, no_o
         assert "standby joiner ready" in joiner.stdout.readline()
         _worker(proc.pid, 1).send_signal(signal.SIGKILL)
         time.sleep(2)
-        joiner.stdin.write("join\n")
+        joiner.stdin.write("\n")  # (a line naming no file: its stderr is the standby's)
         joiner.stdin.flush()
         end = time.monotonic() + 120
         while not any(r["generation"] >= 2 for r in _records(run, 0, "re-formed")):  # (1: worker 1 gone; 2: in)
@@ -985,7 +985,7 @@ def test_a_periodic_joiner_whose_state_is_slower_than_a_round_sits_rounds_out_an
         _worker(proc.pid, 1).send_signal(signal.SIGKILL)
         time.sleep(3)
         for joiner in joiners:  # the second's line while the first's state is under way
-            joiner.stdin.write("join\n")
+            joiner.stdin.write("\n")  # (a line naming no file: its stderr is the standby's)
             joiner.stdin.flush()
             time.sleep(1)
         said = [_stop_once_joined(run, joiners[1], run, 4)]
