@@ -101,7 +101,7 @@ def _overflow(tmp_path: Path, mode: str, at: str, *extra: str) -> list[dict]:
     out.mkdir()
     script = [str(SCRIPTS / "overflow.py"), mode, str(out), at, "--cuda", *extra]
     if mode == "ddp":
-        _run([TORCHRUN, "--nproc-per-node", "2", *script], tmp_path)
+        _run([TORCHRUN, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "torchrun-logs"), *script], tmp_path)
     else:
         _run([FAST, "run", "--workers", "2", "--out", str(tmp_path / "run"), *script], tmp_path)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]

@@ -33,7 +33,12 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return _run([TORCHRUN, "--nproc-per-node", "2", str(script), *args], cwd)
+    return _run([*_torchrun_in(cwd), str(script), *args], cwd)
+
+
+def _torchrun_in(folder: Path) -> list[str]:
+    """torchrun with 2 processes, its agent's logs in `folder` (by default, a folder of /tmp left there)."""
+    return [TORCHRUN, "--nproc-per-node", "2", "--log-dir", str(folder / "torchrun-logs")]
 
 
 def _summary(folder: Path) -> dict:
@@ -165,8 +170,8 @@ job.finish()
 def test_what_a_ddp_script_keeps_by_mistake_is_one_line_with_the_fix(tmp_path, before, init, wrap, message):
     script = tmp_path / "script.py"
     script.write_text(USER_SCRIPT.format(before=before, init=init, wrap=wrap))
-    done = subprocess.run([TORCHRUN, "--nproc-per-node", "2", str(script)], cwd=tmp_path, env=ENV,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run([*_torchrun_in(tmp_path), str(script)], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0
     # each rank says it, named; torchrun stops the other rank once one has failed, so only the first is sure to
     said = [f"fast: error: worker {rank}: {message}" in done.stderr for rank in (0, 1)]
@@ -192,7 +197,7 @@ job.finish()
 def _deadline_script(tmp_path: Path, launcher: str, rank_0: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(DEADLINE_SCRIPT)
-    start = [TORCHRUN, "--nproc-per-node", "2"] if launcher == "torchrun" else [FAST, "run", "--workers", "2"]
+    start = _torchrun_in(tmp_path) if launcher == "torchrun" else [FAST, "run", "--workers", "2"]
     return subprocess.run([*start, str(script), rank_0], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                           timeout=180)  # fmt: skip
 

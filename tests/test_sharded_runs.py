@@ -209,7 +209,8 @@ def test_the_language_model_example_runs_sharded_under_fast_run_and_torchrun(tmp
                        **{key.replace(".", "__"): value for key, value in small.items()})  # fmt: skip
     assert summary["shards"] == 2 and summary["workers"] == 2 and summary["final_test_perplexity"] < 256
     overrides = json.dumps({"run.workers": 2, "run.shards": 2, **small})  # (what `fast run --set` hands its processes)
-    done = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "4", script], cwd=tmp_path,
+    torchrun = [str(BIN / "torchrun"), "--nproc-per-node", "4", "--log-dir", str(tmp_path / "torchrun-logs")]
+    done = subprocess.run([*torchrun, script], cwd=tmp_path,
                           env={**ENV, "FAST_OVERRIDES": overrides}, capture_output=True, text=True,
                           timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
