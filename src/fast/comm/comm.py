@@ -35,7 +35,7 @@ from fast.comm import timeline, timing
 from fast.comm.accounting import ByteCounter
 from fast.comm.busy import BusyBoard
 from fast.comm.waiting import waiting
-from fast.errors import CommError, CommTimeout
+from fast.errors import CommError, CommTimeout, first_line
 
 
 class MessageLost(CommError):
@@ -249,7 +249,7 @@ class IncomingBytes:
 
 
 def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> CommError:
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    text = first_line(cause)
     # gloo's "[file.cc:553] Connection closed by peer [addr]:port. This is typically caused by ..." -> its gist
     text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0]
     if "timeout" in text.lower() or "timed out" in text.lower():

@@ -26,7 +26,7 @@ from torch import nn
 
 from fast.archive import FORMAT, MANIFEST, SIGNATURE, encode_tensors, read_package, sha256
 from fast.config import Config
-from fast.errors import PackageError
+from fast.errors import PackageError, first_line
 from fast.factories import load_factory
 from fast.jobs.code import load_data, make_model, step_of
 from fast.ownership import NOT_PACKED, check_patterns
@@ -88,8 +88,7 @@ def export(module: Exported, example: tuple[torch.Tensor, torch.Tensor], trainin
     try:
         program = torch.export.export(module, example, dynamic_shapes=({0: batch}, {0: batch}), strict=False)
     except Exception as e:  # noqa: BLE001 - torch.export reports many kinds of failure
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PackageError(f"the model cannot be packed: torch.export failed on {type(e).__name__}: {first}"
+        raise PackageError(f"the model cannot be packed: torch.export failed on {type(e).__name__}: {first_line(e)}"
                            f"{_where(str(e))}") from None  # fmt: skip
     graph = json.dumps(_without_metadata(json.loads(serialize(program).exported_program))).encode()
     try:
