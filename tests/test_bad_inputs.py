@@ -79,6 +79,23 @@ def test_fast_run_with_no_workers_is_refused(tmp_path, capsys, workers):
     _refused(capsys, ["run", "--workers", workers, str(tmp_path / "loop.py")], f"--workers {workers}")
 
 
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [(["run.membership=live", "faults.churn={lifetime='6s', absence='2s', seed=1}"], "faults.churn.seed"),
+     (["model.width=3", "compute.slowdwn=2"], "compute.slowdwn")],
+    ids=["in-a-table", "beside-a-key-of-the-scripts"],
+)  # fmt: skip
+def test_fast_run_refuses_an_unknown_key_before_it_starts_a_worker(tmp_path, capsys, settings, key):
+    """No config of the script's gives a table a key the schema lacks, so the launcher says so itself: once, not
+    once from each worker. A key that the script's own config may make valid ([model] width, with its factory)
+    is still left to its fast.init."""
+    (tmp_path / "loop.py").write_text("import fast\nfast.init()\n")
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    assert main(["run", "--out", str(tmp_path / "run"), *sets, str(tmp_path / "loop.py")]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == f"fast: error: unknown key `{key}`: remove it or check its spelling (see docs/configuration.md)"
+
+
 def test_a_script_that_trains_at_its_top_level_is_told_to_guard_it(tmp_path, no_orphans):
     """A process that imported torch before FAST starts its workers from a fork server, which imports the script
     again in each of them: the call at the script's top level would train again in every worker."""

@@ -9,7 +9,7 @@ import torch
 
 import fast
 from fast.comm.messages import Listener, Mailbox
-from fast.errors import CommTimeout
+from fast.errors import CommTimeout, UsageError
 from fast.runtime.launch import WorkerFailed, launch_group
 
 JOB = {
@@ -48,6 +48,16 @@ def _raises_at_step(model, x, y):
 _raises_at_step.calls = 0
 
 
+def _misuses_the_api_at_step(model, x, y):
+    _misuses_the_api_at_step.calls += 1
+    if os.environ["RANK"] == "2" and _misuses_the_api_at_step.calls == DIES_AT:
+        raise UsageError("job.log() takes numbers: log loss=loss, not a list")
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+_misuses_the_api_at_step.calls = 0
+
+
 @pytest.mark.nondeterministic
 @pytest.mark.parametrize(
     "strategy",
@@ -83,6 +93,20 @@ def test_a_worker_whose_own_code_raises_is_named_at_once_with_its_traceback_and_
     said = [line for line in err.splitlines() if line.startswith("fast: worker 2 failed")]
     assert said == ["fast: worker 2 failed: ValueError: worker 2's own bug; the others go on without it"], err
     assert err.count("Traceback") == 1 and "_raises_at_step" in err, err
+
+
+@pytest.mark.parametrize("membership", ["fixed", "live"])
+def test_bad_input_that_a_worker_finds_ends_a_run_that_survives_failures_at_once_in_one_line(
+    tmp_path, no_orphans, capfd, membership
+):
+    """A config or usage error (exit code 2) is the script's, so every worker would make it: there is nothing to
+    survive, and no `the others go on without it` for each worker that says it."""
+    gossip = {"strategy__name": "gossip", "strategy__topology": "ring", "run__membership": membership}
+    with pytest.raises(WorkerFailed) as failed:
+        fast.train(None, out=str(tmp_path), step_fn=_misuses_the_api_at_step, **{**JOB, **gossip})
+    assert failed.value.exit_code == 2
+    assert str(failed.value) == "worker 2 failed: job.log() takes numbers: log loss=loss, not a list"
+    assert "go on without it" not in capfd.readouterr().err
 
 
 @pytest.mark.nondeterministic

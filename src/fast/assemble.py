@@ -14,7 +14,7 @@ from fast.archive import PACKAGE_SUFFIX, check_trust, read_package
 from fast.codecs import CODECS, build_codec, codec_options
 from fast.config import CodecConfig, Config, _describe, apply_overrides, check_renamed, load_dict, without_renamed
 from fast.config.schema import PROCESS_WORKERS
-from fast.errors import ConfigError
+from fast.errors import ConfigError, UnknownKey
 from fast.optim import check_optimizer, check_schedule
 from fast.ownership import owners_config
 from fast.strategies import strategy_for, strategy_options, validate_strategy_options
@@ -31,7 +31,8 @@ def build_config(data: dict[str, Any]) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e)) from None
+        unknown = any(error["type"] == "extra_forbidden" for error in e.errors())
+        raise (UnknownKey if unknown else ConfigError)(_describe(e)) from None
 
     check_codec(config.codec)
     check_optimizer(config.optimizer)

@@ -13,6 +13,10 @@ class ConfigError(FastError):
     exit_code = 2
 
 
+class UnknownKey(ConfigError):
+    """A key that no table of the config has: wrong whatever else the config says (exit code 2)."""
+
+
 class UsageError(FastError):
     """The job API was used out of order or with the wrong kind of argument (exit code 2)."""
 

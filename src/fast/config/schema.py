@@ -429,7 +429,8 @@ def without_renamed(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _describe(error: ValidationError) -> str:
-    first = error.errors()[0]
+    errors = error.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])  # an unknown key goes first
     key = ".".join(str(p) for p in first["loc"] if p != "__root__") or "config"
     kind = first["type"]
     if kind == "extra_forbidden":

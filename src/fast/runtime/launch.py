@@ -298,6 +298,7 @@ def launch(
     told_to_go: set[int] = set()
     interrupt: KeyboardInterrupt | None = None
     written: bool | None = None
+    bad_input = False
     try:
         ctx = _workers_context()
         store = scratch_folder(scratch)
@@ -358,6 +359,9 @@ def launch(
                     told_to_go.add(rank)
                 fatal = not survivable or (rank == 0 and goes_on is None)
                 said = _receive_now(results, outputs).get(rank)
+                if isinstance(said, Failure) and said.exit_code == 2 and not bad_input:
+                    # a config or usage error is the script's, every process's: nothing to survive, nobody to wait for
+                    bad_input, fatal, settle_until = True, True, time.monotonic()
                 if proc.exitcode != 0 and not fatal and rank not in told_to_go:
                     _going_on_without(rank, said)
                 # the process that wrote the outputs: rank 0; a live run's, the member that did its duties
@@ -372,7 +376,7 @@ def launch(
                         _stop([procs[lost]], grace_s=0.0)
                     settle_until = time.monotonic() + SURVIVOR_GRACE_S
         outputs.update(_drain(results))
-        written = goes_on() if goes_on is not None else None  # (pending only once the outputs are written)
+        written = goes_on() if goes_on is not None and not bad_input else None  # (pending once the outputs are in)
     except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: SIGTERM or SIGHUP
         interrupt = e
     finally:
@@ -385,7 +389,7 @@ def launch(
     if interrupt is not None:
         raise interrupted(interrupt) from None
     ended_well = written if goes_on is not None else not isinstance(outputs.get(0), Failure) and exited.get(0) == 0
-    if survivable and ended_well:
+    if survivable and ended_well and not bad_input:
         return {rank: value for rank, value in outputs.items() if not isinstance(value, Failure)}
     failure = _root_cause(outputs, {rank: code for rank, code in exited.items() if rank not in told_to_go})
     if failure is not None:

@@ -64,7 +64,9 @@ one line naming the key (exit code 2). Every key has a default; a table left out
 
 Any key can be set from outside the file: `--set table.key=value` on the command line (the value is read as TOML:
 `--set run.targets=[0.8,0.9]`), or `table__key=value` in Python (`fast.train("job.toml", run__workers=2)`).
-`fast compare` adds `[[variant]]` tables, each overriding keys of the job ([Comparing](comparing.md)).
+`fast compare` adds `[[variant]]` tables, each overriding keys of the job ([Comparing](comparing.md)). `fast run`
+checks its `--set` keys before it starts a worker, but for those that only the script's own config can make valid
+(a factory's keys); those its `fast.init` checks, and the run stops at the first worker that finds one wrong.
 
 Tables: [`[run]`](#run), [`[data]`](#data), [`[model]`](#model), [`[step]`](#step), [`[eval]`](#eval),
 [`[optimizer]`](#optimizer), [`[schedule]`](#schedule), [`[strategy]`](#strategy) (and [every strategy's

@@ -17,7 +17,7 @@ from typing import Any
 from fast.assemble import load_config
 from fast.comm import bootstrap as engine
 from fast.config import Config
-from fast.errors import ConfigError
+from fast.errors import ConfigError, UnknownKey
 from fast.factories import add_search_path
 from fast.jobs.code import check_data
 from fast.jobs.loop import train_worker
@@ -177,6 +177,8 @@ def _launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
     script's fast.init, which checks them all."""
     try:
         return load_config(config, **overrides)
+    except UnknownKey:  # (no config of the script's gives a table a key it does not have)
+        raise
     except ConfigError as error:
         launcher = {k: v for k, v in overrides.items() if k.startswith(("run__", "strategy__", "run.", "strategy."))}
         try:
