@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fast
 from fast.assemble import load_config
 from fast.errors import ConfigError
 from fast.jobs.code import load_data, make_model
@@ -29,6 +30,7 @@ from fast.runtime.loader import epoch_order
 from fast.runtime.membership import Access, Coordinator, Member, connect, read_key
 from fast.runtime.run_store import RunStoreServer
 from fast.tools.cli import main
+from fast.tools.start import START_FILE, record_start, recorded_script
 from tests.processes import listening
 
 FAST = str(Path(sys.executable).with_name("fast"))
@@ -271,6 +273,93 @@ def evaluate(model):
 
 job.finish(evaluate)
 """
+
+
+JOINED_SCRIPT = """
+import os, pathlib, sys, time
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import TensorDataset
+import fast
+
+job = fast.init()
+pathlib.Path(sys.argv[1], f"ran-{job.rank}").write_text(os.getcwd())  # (each process of the script says so)
+features, labels = load_digits(return_X_y=True)
+data = TensorDataset(torch.tensor(features, dtype=torch.float32) / 16, torch.tensor(labels))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))  # (not FAST's own model for the digits)
+model, optimizer = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+loader = job.loader(data, batch_size=32, shuffle=True)
+for epoch in job.epochs(10000):  # (ended by fast stop)
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        job.log(loss=loss)
+        time.sleep(0.02)
+job.finish()
+"""
+
+
+def test_a_joiner_of_a_script_run_runs_the_script(tmp_path, no_orphans):
+    """`fast join` of a `fast run SCRIPT` run starts the script with its arguments, in the launcher's folder, as the
+    founders were started (the run folder says how), not FAST's own loop, whose model is not the script's."""
+    run, script, marks, elsewhere = tmp_path / "run", tmp_path / "joined.py", tmp_path / "marks", tmp_path / "else"
+    script.write_text(JOINED_SCRIPT)
+    marks.mkdir()
+    elsewhere.mkdir()
+    options = {"run.membership": "live", "run.workers": 3, "run.log_every": 1, "run.checkpoint_every": 0,
+               "strategy.name": "sync"}  # fmt: skip
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    proc = subprocess.Popen([FAST, "run", "--out", str(run), *_sets(options), str(script), str(marks)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _wait_for_step(run, 10, proc)
+        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
+        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env,
+                                   cwd=elsewhere)  # fmt: skip
+        joiner_err = _stop_once_joined(run, joining, run, 3, launcher=proc)
+        assert joining.returncode == 0, joiner_err
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert sorted(p.name for p in marks.iterdir()) == ["ran-0", "ran-1", "ran-2", "ran-3"]
+    assert (marks / "ran-3").read_text() == str(tmp_path)  # (the launcher's folder, not the one it was joined from)
+    summary = json.loads((run / "summary.json").read_text())
+    assert any(change["joined"] == [3] for change in summary["membership"]), summary["membership"]
+    assert _healed(run, 3), "the joiner was not healed"
+
+
+def test_a_joiner_starts_only_what_the_run_folder_says_and_only_once_checked(tmp_path):
+    """How a live run's workers start is written in its folder (start.json): a script is run only if it exists,
+    with no launcher setting beyond FAST's own; code given to fast.train in Python cannot be started at all, and
+    churn, whose joiners are `fast join`'s, is refused with it before anything starts."""
+    script = tmp_path / "train.py"
+    script.write_text("import fast\n")
+    assert recorded_script(tmp_path) is None  # (a run of an older FAST: its own loop)
+    record_start(tmp_path, "script", str(script), ["--lr", "0.1"], {"FAST_OVERRIDES": "{}", "PATH": "/elsewhere"})
+    assert recorded_script(tmp_path) == (str(script), ["--lr", "0.1"], os.getcwd(), {"FAST_OVERRIDES": "{}"})
+    good = json.loads((tmp_path / START_FILE).read_text())
+    for hostile in [{**good, "script": str(tmp_path / "gone.py")}, {**good, "environment": {"LD_PRELOAD": "x.so"}},
+                    {**good, "argv": "--lr 0.1"}, {**good, "loop": "fast"}, {"loop": "mine"}, []]:  # fmt: skip
+        (tmp_path / START_FILE).write_text(json.dumps(hostile))
+        with pytest.raises(ConfigError, match="is not what FAST wrote there"):
+            recorded_script(tmp_path)
+    record_start(tmp_path, "fast")
+    assert recorded_script(tmp_path) is None
+    record_start(tmp_path, "python")
+    with pytest.raises(ConfigError, match="this run trains code given to fast.train in Python"):
+        recorded_script(tmp_path)
+    churned = {"run__membership": "live", "faults__churn": {"lifetime": "20s", "absence": "5s"}, "data__name": "digits"}
+    with pytest.raises(ConfigError, match="churn's joiners come through `fast join`, and this run trains code given"):
+        fast.train(None, out=str(tmp_path / "run"), step_fn=lambda model, x, y: model(x).sum(), **churned)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("strategy", [{"strategy.name": "local-sgd", "strategy.period": 4},

@@ -33,6 +33,7 @@ from fast.parts import resolve
 from fast.runtime.launch import WorkerFailed, launch, may_fork_here, warm_up
 from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
+from fast.tools.start import recorded_script, run_script_process
 
 
 def live_run(command: str, folder: Path) -> tuple[str, Path]:
@@ -57,12 +58,14 @@ def join(
 ) -> int | None:
     """Join a running job and train with it to its end; returns this worker's member id (a sharded replica's: its
     shard 0's; None: a standby joiner whose input ended, which said so, and whose forked joiners have ended)."""
+    script = None  # (a run of `fast run SCRIPT`: its joiners run the script, as its founders do)
     if run_dir is not None:
         folder = Path(run_dir)
         found, secret_file = live_run("fast join", folder)
         address, token_file = address or found, token_file or secret_file
         config = config or folder / "config.toml"
         out = out or folder
+        script = recorded_script(folder)
     if address is None or token_file is None or config is None:
         raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config")
     parts = resolve(config, **overrides)
@@ -81,10 +84,15 @@ def join(
         if exit_code:  # tell the run at once, rather than at the end of this worker's heartbeats
             report_left(access, member + rank, "killed" if exit_code < 0 else f"exited with code {exit_code}")
 
+    fn, args = train_worker, (parts, out, False)
+    if script is not None:
+        path, argv, cwd, launcher = script
+        fn, args = run_script_process, (path, argv, cwd)
+        environment.update({**launcher, "FAST_RUN_DIR": str(out.resolve())})
     addr, shards = access.host, job.run.shards
     threads = job.run.threads_per_worker or 1
-    launch(train_worker, shards, (parts, out, False), addr=addr, port=engine.free_port(), threads=threads,
-           extra_env=environment, on_exit=ended, together=shards)  # fmt: skip
+    launch(fn, shards, args, addr=addr, port=engine.free_port(), threads=threads, extra_env=environment,
+           on_exit=ended, together=shards)  # fmt: skip
     return member
 
 

@@ -22,6 +22,7 @@ from fast.factories import add_search_path
 from fast.jobs.code import check_data
 from fast.jobs.loop import train_worker
 from fast.parts import Deployment, JobParts, UserCode, deployment_of, resolve
+from fast.runtime import files
 from fast.runtime.churn import ChurnDriver
 from fast.runtime.launch import Interrupted, launch, launch_elastic, variables_set
 from fast.runtime.membership import Coordinator
@@ -42,6 +43,8 @@ def prepare(config: Any = None, *, out: str | Path | None = None, resume: str | 
         source = config if config is not None else Path(resume) / "config.toml"
     parts = resolve(source, user, **overrides)
     check_data(parts.data)  # data that is not there fails here, before anything starts (or any folder is made)
+    if parts.deployment.churn is not None and user is not None and (user.model_fn or user.step_fn) is not None:
+        raise ConfigError(f"[faults] churn's joiners come through `fast join`, and this run trains {IN_PYTHON}")
     if resume is not None:
         run_dir = Path(resume)
     else:
@@ -145,6 +148,8 @@ def train(
     user = UserCode(model_fn=model_fn, step_fn=step_fn)
     parts, run_dir = prepare(config, out=out, resume=resume, user=user, **overrides)
     try:
+        if parts.deployment.live:
+            record_start(run_dir, "fast" if (model_fn or step_fn) is None else "python")
         outputs = _start(train_worker, parts.config, parts.deployment, run_dir, (parts, run_dir, resume is not None))
     finally:
         release(run_dir)
@@ -156,11 +161,13 @@ def train(
 
 
 # -- fast run SCRIPT ---------------------------------------------------------------------------------------------
-def run_script_process(script: str, argv: list[str]) -> None:
-    """One process of `fast run`: the user's script as __main__ (which calls fast.init); a job it prepared but did
-    not finish is finished here, so that no result is lost."""
+def run_script_process(script: str, argv: list[str], cwd: str | None = None) -> None:
+    """One process of `fast run`: the user's script as __main__ (which calls fast.init), in the launcher's folder
+    `cwd` if given (a joiner's); a job it prepared but did not finish is finished here, so that no result is lost."""
     from fast.runtime import job as jobs
 
+    if cwd is not None:
+        os.chdir(cwd)
     sys.argv = [script, *argv]
     add_search_path(str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
@@ -169,6 +176,49 @@ def run_script_process(script: str, argv: list[str]) -> None:
         if unfinished.is_main:
             print("fast: the script did not call job.finish(): finishing the run for it", file=sys.stderr)
         unfinished.finish()
+
+
+START_FILE = "start.json"  # (a live run's folder) how its workers start: a joiner starts the same way
+RECORDED_VARIABLES = ("FAST_OVERRIDES", "FAST_CONFIG", "FAST_CODE_PATH")
+IN_PYTHON = ("code given to fast.train in Python (model_fn, step_fn), which no joiner can start: name it in the config "
+             '(model.factory = "package.module:function"), or train a script with `fast run`')  # fmt: skip
+
+
+def record_start(run_dir: Path, loop: str, script: str = "", argv: list[str] = (), env: dict | None = None) -> None:
+    """Write down in `run_dir` how a worker of this live run starts, for its joiners (`recorded_script`): its `loop`
+    is FAST's own on the run's config ("fast"), one with code given in Python, which no joiner can start ("python"),
+    or the user's `script` with its arguments ("script"). (Every live run writes it: none is left from another.)"""
+    record: dict[str, Any] = {"loop": loop}
+    if loop == "script":
+        record.update(script=script, argv=list(argv), cwd=os.getcwd(),
+                      environment={k: v for k, v in (env or {}).items() if k in RECORDED_VARIABLES})  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    files.write_text(run_dir / START_FILE, json.dumps(record), private=True)
+
+
+def recorded_script(run_dir: Path) -> tuple[str, list[str], str, dict[str, str]] | None:
+    """(`fast join` of a run of this machine) the script its workers run, their arguments, folder and launcher's
+    environment; None for a run of FAST's own loop. The file is checked before anything of it is used."""
+    path = run_dir / START_FILE
+    try:
+        record = json.loads(path.read_text()) if path.is_file() else {"loop": "fast"}  # (a run of an older FAST)
+        loop = record["loop"]
+        if loop == "python":
+            raise ConfigError(f"fast join: this run trains {IN_PYTHON}")
+        if loop == "fast" and len(record) == 1:
+            return None
+        script, argv, cwd, env = record["script"], record["argv"], record["cwd"], record["environment"]
+        checked = (loop == "script" and isinstance(script, str) and Path(script).is_file() and isinstance(cwd, str)
+                   and Path(cwd).is_dir() and isinstance(argv, list) and all(isinstance(arg, str) for arg in argv)
+                   and isinstance(env, dict)
+                   and all(k in RECORDED_VARIABLES and isinstance(v, str) for k, v in env.items()))  # fmt: skip
+    except (OSError, ValueError, TypeError, KeyError):
+        checked = False
+    if not checked:
+        raise ConfigError(f"fast join: {path} is not what FAST wrote there (FAST's loop, or a script that exists with "
+                          "its arguments, folder and launcher's settings): start the run again, or join it with FAST's "
+                          "own loop through --address, --token-file and --config")  # fmt: skip
+    return script, argv, cwd, env
 
 
 def _launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
@@ -222,6 +272,8 @@ def run_script(
     env["FAST_CODE_PATH"] = os.environ["FAST_CODE_PATH"]
     resume_command = " ".join(["fast run --resume {run_dir}", script, *(argv or [])])
     with claimed(run_dir):
+        if deployment.live:
+            record_start(run_dir, "script", str(Path(script).resolve()), list(argv or []), env)
         _start(run_script_process, launcher_config, deployment, run_dir,
                (str(Path(script).resolve()), list(argv or [])), env, resume_command)  # fmt: skip
     summary_file = run_dir / "summary.json"
