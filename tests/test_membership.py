@@ -905,6 +905,25 @@ def test_a_re_form_that_never_ends_leaves_the_run_in_one_line_with_its_threads_s
     assert left == b"stuck re-forming for 0.5s"
 
 
+def test_a_joiner_that_would_train_another_loop_than_the_runs_is_refused(tmp_path):
+    """A script run's joiner from another machine (FAST's loop, on the run's config) met the script's founders in
+    heals of another kind, and their collectives failed until the run ended: it is refused at admission instead."""
+    parts = resolve({"run": {"workers": 2, "membership": "live"}, "data": {"name": "digits"}, "model": {"name": "mlp"}})
+    coordinator = Coordinator(tmp_path, parts.config, parts.deployment, "127.0.0.1", loop="script")
+    try:
+        config = json.dumps(parts.config.to_dict())
+        assert coordinator._refusal(json.dumps({"config": config, "loop": "script"}).encode(), 2) is None
+        for loop, words in [("fast", "FAST's own loop on its config"), (None, "FAST's own loop on its config"),
+                            ("mine", "a loop FAST does not know")]:  # fmt: skip
+            request = {"config": config, **({"loop": loop} if loop else {})}  # (None: an older FAST's request)
+            assert coordinator._refusal(json.dumps(request).encode(), 2) == (
+                f"it would train {words} where the run trains a script (fast run): join a script's run from its "
+                "folder, on its launcher's machine"
+            )
+    finally:
+        coordinator.close()
+
+
 def test_a_generation_a_member_found_broken_ends_every_wait_in_it(tmp_path):
     """A member whose collective failed, with nobody gone, suspects its generation: the coordinator publishes the next
     with the same members, marked broken, and a wait in the old one gives up (a member outside the failed collective

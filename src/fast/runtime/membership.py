@@ -52,6 +52,9 @@ from fast.runtime import files
 from fast.runtime.run_store import Refused as StoreRefused
 from fast.runtime.run_store import RunStore, RunStoreServer
 
+# what the run's workers run, which a joiner's must run too (a heal of one loop cannot meet the other's)
+LOOPS = {"fast": "FAST's own loop on its config", "script": "a script (fast run)",
+         "python": "code given to fast.train in Python (model_fn, step_fn)"}  # fmt: skip
 SECRET_FILE = "membership.secret"
 ADDRESS_FILE = "membership.json"
 ADDRESS_VARIABLE = "FAST_MEMBERSHIP"  # a member's way to the store: HOST:PORT
@@ -179,10 +182,11 @@ def config_difference(run: Config, joiner: Config) -> str | None:
 
 class Coordinator:
     """The run's membership, kept by its launcher: serves the store, admits joiners, publishes generations. Its
-    `deployment` says who founds the run and what it takes; its `config` is what a joiner's must equal."""
+    `deployment` says who founds the run and what it takes; its `config` is what a joiner's must equal, and its
+    `loop` (LOOPS) what a joiner must run."""
 
-    def __init__(self, run_dir: Path, config: Config, deployment: Deployment, addr: str) -> None:
-        self.run_dir, self.config, self.deployment = run_dir, config, deployment
+    def __init__(self, run_dir: Path, config: Config, deployment: Deployment, addr: str, loop: str = "fast") -> None:
+        self.run_dir, self.config, self.deployment, self.loop = run_dir, config, deployment, loop
         secret = secrets.token_bytes(32)
         self.server = RunStoreServer(addr, deployment.port, secret)
         self.access = Access(addr, self.server.port, secret)
@@ -417,6 +421,10 @@ class Coordinator:
         difference = config_difference(self.config, joiner)
         if difference is not None:
             return f"its config differs from the run's: {difference}"
+        loop = request["loop"] if "loop" in request else "fast"  # (a joiner of an older FAST: its own loop)
+        if loop != self.loop:
+            return (f"it would train {LOOPS.get(loop, 'a loop FAST does not know')} where the run trains "
+                    f"{LOOPS[self.loop]}: join a script's run from its folder, on its launcher's machine")  # fmt: skip
         limit = self.deployment.max_workers or 256
         if (size + len(self.pending)) // self.shards >= limit:  # (a sharded run's workers are replicas of K)
             return f"the run already has {size // self.shards} workers, its run.max_workers: try again when one leaves"
@@ -679,11 +687,11 @@ def _reach(command: str, access: Access, timeout_s: float) -> RunStore:
     return store
 
 
-def request_admission(access: Access, config: Config, timeout_s: float) -> int:
-    """A joiner's request: its member id, or Refused naming why."""
+def request_admission(access: Access, config: Config, timeout_s: float, loop: str = "fast") -> int:
+    """A joiner's request to train `loop` (LOOPS) on `config`: its member id, or Refused naming why."""
     store = _reach("fast join", access, timeout_s)
     number = int(store.add(PREFIX + "requests", 1))
-    store.set(PREFIX + f"request/{number}", json.dumps({"config": json.dumps(config.to_dict())}))
+    store.set(PREFIX + f"request/{number}", json.dumps({"config": json.dumps(config.to_dict()), "loop": loop}))
     start = time.monotonic()
     while (answer := read_key(store, f"answer/{number}")) is None:
         if time.monotonic() - start > timeout_s:

@@ -76,7 +76,7 @@ def join(
     warm_up()
     if standby and not _joins_on_a_line():
         return None
-    member = request_admission(access, job, job.run.deadline_s)
+    member = request_admission(access, job, job.run.deadline_s, "fast" if script is None else "script")
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
     environment = {**access.environment(Path(token_file).resolve()), "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
 

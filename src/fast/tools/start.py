@@ -61,10 +61,12 @@ def prepare(config: Any = None, *, out: str | Path | None = None, resume: str | 
 
 
 def _start(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args: tuple,
-           extra_env: dict[str, str] | None = None, resume: str = "fast train --resume {run_dir}") -> dict:  # fmt: skip
+           extra_env: dict[str, str] | None = None, resume: str = "fast train --resume {run_dir}",
+           loop: str = "fast") -> dict:  # fmt: skip
     """Run `fn(*args)` in every process of the run, as its deployment says; returns {rank: value}. `resume`: the
-    command that continues the run, shown when it is interrupted after a checkpoint. Under torchrun this process is
-    already one of the run's, which torchrun started."""
+    command that continues the run, shown when it is interrupted after a checkpoint; `loop`: what `fn` runs, which
+    a live run's joiners must run too (fast.runtime.membership.LOOPS). Under torchrun this process is already one of
+    the run's, which torchrun started."""
     if engine.under_torchrun():
         if deployment.engine == "simulated":
             raise ConfigError('run.engine = "simulated" runs every worker in one process: start it without torchrun')
@@ -80,7 +82,7 @@ def _start(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args:
                 return launch_elastic(fn, deployment.processes, args, addr=addr, port=port, threads=threads,
                                       max_restarts=deployment.restarts)  # fmt: skip
         if deployment.live:
-            return _launch_live(fn, config, deployment, run_dir, args, addr, threads, extra_env)
+            return _launch_live(fn, config, deployment, run_dir, args, addr, threads, extra_env, loop)
         return launch(fn, deployment.processes, args, addr=addr, port=port, threads=threads,
                       survivable=deployment.survivable, extra_env=extra_env)  # fmt: skip
     except Interrupted as e:
@@ -92,12 +94,12 @@ def _start(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args:
 
 
 def _launch_live(fn: Any, config: Config, deployment: Deployment, run_dir: Path, args: tuple, addr: str,
-                 threads: int, extra_env: dict[str, str] | None) -> dict:  # fmt: skip
+                 threads: int, extra_env: dict[str, str] | None, loop: str) -> dict:  # fmt: skip
     """A live run: this launcher keeps its membership (fast.runtime.membership) while its founders train; any
     founder may die, worker 0 too (the lowest live member does its duties), others join with `fast join`, and the
     run goes on while a member is left, until one writes its outputs. (A detached strategy's servers take the ids
     after the workers': fast.runtime.detached.)"""
-    coordinator = Coordinator(run_dir, config, deployment, addr)
+    coordinator = Coordinator(run_dir, config, deployment, addr, loop)
     churn = ChurnDriver(run_dir, deployment.churn, coordinator) if deployment.churn is not None else None
     try:
         outputs = launch(fn, deployment.processes, args, addr=addr, port=engine.free_port(addr), threads=threads,
@@ -147,10 +149,12 @@ def train(
     """Run one training job to the end; returns the summary (on rank 0; {} on other torchrun ranks)."""
     user = UserCode(model_fn=model_fn, step_fn=step_fn)
     parts, run_dir = prepare(config, out=out, resume=resume, user=user, **overrides)
+    loop = "fast" if (model_fn or step_fn) is None else "python"
     try:
         if parts.deployment.live:
-            record_start(run_dir, "fast" if (model_fn or step_fn) is None else "python")
-        outputs = _start(train_worker, parts.config, parts.deployment, run_dir, (parts, run_dir, resume is not None))
+            record_start(run_dir, loop)
+        outputs = _start(train_worker, parts.config, parts.deployment, run_dir, (parts, run_dir, resume is not None),
+                         loop=loop)  # fmt: skip
     finally:
         release(run_dir)
     # worker 0's, or the member's that did its duties in a live run (another torchrun rank's is empty)
@@ -275,7 +279,7 @@ def run_script(
         if deployment.live:
             record_start(run_dir, "script", str(Path(script).resolve()), list(argv or []), env)
         _start(run_script_process, launcher_config, deployment, run_dir,
-               (str(Path(script).resolve()), list(argv or [])), env, resume_command)  # fmt: skip
+               (str(Path(script).resolve()), list(argv or [])), env, resume_command, loop="script")  # fmt: skip
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
         return None
