@@ -132,3 +132,16 @@ def test_a_second_ctrl_c_is_not_held():
         reached.append("past the second")
     assert reached == ["past the first"]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_termination_signal_while_the_command_exits_ends_it_without_a_traceback():
+    """SIGTERM raises Stopped while a command runs; once it has returned, the process exits and the signal ends it
+    as it would any process (a standby's joiner, stopped as the run ends, got it in torch's atexit finalizers:
+    `Exception ignored in atexit callback`, Stopped's traceback)."""
+    code = ("import atexit, os, signal, sys\n"
+            "from fast.tools.cli import main\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
+            "sys.exit(main(['topology', 'ring', '-n', '4']))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
+    assert "spectral gap" in done.stdout and not done.stderr, done.stderr

@@ -25,14 +25,23 @@ TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 INTERRUPTS = (signal.SIGINT, *TERMINATION_SIGNALS)
 
 
-def stop_on_termination() -> None:
-    """In a launcher's main thread: SIGTERM and SIGHUP raise Stopped from now on."""
+@contextlib.contextmanager
+def stopped_on_termination() -> Iterator[None]:
+    """In a launcher's main thread, meanwhile: SIGTERM and SIGHUP raise Stopped. The handlers there were come back
+    after it: one that raised while the process exits would raise into its atexit callbacks (a traceback of torch's
+    finalizers), where the signal's own end is what the sender asked for."""
 
     def stop(signum: int, frame: Any) -> None:
         raise Stopped(signum)
 
+    previous = {number: signal.getsignal(number) for number in TERMINATION_SIGNALS}
     for number in TERMINATION_SIGNALS:
         signal.signal(number, stop)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def how_interrupted(interrupt: BaseException) -> tuple[str, int]:

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from fast.errors import ConfigError, FastError
-from fast.interrupts import held_interrupts, how_interrupted, stop_on_termination
+from fast.interrupts import held_interrupts, how_interrupted, stopped_on_termination
 
 UNSIGNED = "a package: train it though no --trust key verified it (as you would run its author's code)"
 
@@ -231,7 +231,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_on_termination()  # SIGTERM and SIGHUP end a run as Ctrl-C does
+    with stopped_on_termination():  # SIGTERM and SIGHUP end a run as Ctrl-C does
+        return _command(argv)
+
+
+def _command(argv: list[str] | None) -> int:
     try:
         # an import cut short can leave a library half set up (or swallow the interrupt): Ctrl-C waits for them
         with held_interrupts():
