@@ -2,6 +2,9 @@
 engine (deterministic by seed), the report's membership timeline and `fast predict`'s price of a catch-up."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +24,7 @@ from fast.runtime.simulated_membership import SimulatedMembership
 from fast.tools.predict import price_catch_up
 from fast.tools.report.html import build_report
 
+FAST = str(Path(sys.executable).with_name("fast"))
 JOB = {
     "data__name": "digits",
     "model__name": "mlp",
@@ -48,18 +52,59 @@ def _changes(summary: dict) -> tuple[int, int]:
     return sum(len(c["left"]) for c in changes), sum(len(c["joined"]) for c in changes)
 
 
-def test_churn_on_emulated_links_heals_joiners_from_a_live_peer(tmp_path, no_orphans):
+CHURNED_SCRIPT = """
+import os, pathlib, sys
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import TensorDataset
+import fast
+
+job = fast.init()
+pathlib.Path(sys.argv[1], str(job.rank)).touch()  # (each process of the script says so, joiners too)
+features, labels = load_digits(return_X_y=True)
+data = TensorDataset(torch.tensor(features, dtype=torch.float32) / 16, torch.tensor(labels))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+model, optimizer = job.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for epoch in job.epochs():
+    for x, y in job.loader(data, batch_size=16, shuffle=True):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        job.log(loss=loss)
+job.finish()
+"""
+
+
+def test_churn_in_a_script_run_on_emulated_links_heals_joiners_that_run_the_script(tmp_path, no_orphans):
+    """`fast run SCRIPT` under churn: churn's standby gets ready once the script's first worker has written the run's
+    config, each joiner runs the script (not FAST's loop) and is healed from a live peer over the emulated links, and
+    the joiners still in at the end end with the run, on their own (not stopped by the standby's end)."""
     # (alone here, the first leave came 2.5 s into training and the first join 0.5 s later, churn's standby joiner
     # being ready by then; beside another test's processes, the standby took over 20 s to get ready: 40 s)
-    run = tmp_path / "run"
-    summary = fast.train(out=str(run), **{**JOB, "run__workers": 3, "run__epochs": 10000, "run__max_time": "40s",
-                                          "network__bandwidth": "100Mbit", "network__latency": "5ms",
-                                          "faults__churn__lifetime": "3s", "faults__churn__absence": "1s"})  # fmt: skip
+    run, script, marks = tmp_path / "run", tmp_path / "churned.py", tmp_path / "marks"
+    script.write_text(CHURNED_SCRIPT)
+    marks.mkdir()
+    options = {"run.membership": "live", "run.workers": 3, "run.epochs": 10000, "run.max_time": "40s",
+               "run.log_every": 5, "run.checkpoint_every": 0, "network.bandwidth": "100Mbit", "network.latency": "5ms",
+               "faults.churn.lifetime": "3s", "faults.churn.absence": "1s"}  # fmt: skip
+    sets = [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+    done = subprocess.run([FAST, "run", "--out", str(run), *sets, str(script), str(marks)], capture_output=True,
+                          text=True, env={**os.environ, "FAST_PROGRESS": "0"}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
     leaves, joins = _changes(summary)
     assert leaves >= 1 and joins >= 1, summary["membership"]
+    joiners = {member for change in summary["membership"] for member in change["joined"]}
+    assert joiners <= {int(mark.name) for mark in marks.iterdir()}, "a joiner did not run the script"
     healed = [r for r in _healed_records(run) if r["generation"] > 0]
     assert healed and all(r["fingerprint"] == r["source_fingerprint"] for r in healed)
     assert summary["catch_up_bytes"] > 0
+    said = {f.name: f.read_text() for f in (run / "workers").glob("*.err")}
+    wrong = ("does not exist", "interrupted", "Traceback")  # (the first standby's end, or a joiner's at the end)
+    assert not any(words in text for text in said.values() for words in wrong), said
 
 
 def test_churn_takes_async_workers_out_and_brings_new_ones_in_on_their_own_lines(tmp_path, no_orphans):

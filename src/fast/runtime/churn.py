@@ -34,6 +34,9 @@ def _die_with_launcher() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: its worker stops too
 
 
+STANDBY_GRACE_S = 10.0  # at the run's end: how long the joiners a standby forked have to end before SIGTERM
+
+
 class ChurnDraws:
     """The seeded draws of `[faults] churn`: each member's stay and each absence (exponential), and how one leaves."""
 
@@ -63,10 +66,18 @@ class ChurnDriver:
         self._thread.start()
 
     def _run(self) -> None:
-        self._standby()
+        """The driver's thread, which starts the standbys (their parent-death signal is tied to the thread that
+        started them) and so lets them go itself, once the run is over."""
+        try:
+            self._churn()
+        finally:
+            self._let_the_standbys_go()
+
+    def _churn(self) -> None:
         while not self.coordinator.started():  # times count from the start of training
             if self._closing.wait(0.1):
                 return
+        self._standby()  # (now that the run folder has its config, which a script's first worker writes)
         while not self._closing.wait(0.1):
             now = time.monotonic()
             for member in self.coordinator.members:
@@ -109,12 +120,10 @@ class ChurnDriver:
             standby.stdin.write(f"{said}\n".encode())
             standby.stdin.flush()
 
-    def close(self) -> None:
-        """Stop making changes; the joiners still running end with the run (SIGTERM after a grace period)."""
-        self._closing.set()
-        self._thread.join(timeout=5)
-        deadline = time.monotonic() + 10
-        for standby in self.standbys:  # its input ends: it waits for the joiners it forked, and leaves
+    def _let_the_standbys_go(self) -> None:
+        """Their input ends: each waits for the joiners it forked, and leaves (SIGTERM after a grace period)."""
+        deadline = time.monotonic() + STANDBY_GRACE_S
+        for standby in self.standbys:
             with contextlib.suppress(BrokenPipeError):
                 standby.stdin.close()
         for standby in self.standbys:
@@ -123,6 +132,11 @@ class ChurnDriver:
             except subprocess.TimeoutExpired:
                 standby.terminate()
                 standby.wait()
+
+    def close(self) -> None:
+        """Stop making changes; the joiners still running end with the run (SIGTERM after a grace period)."""
+        self._closing.set()
+        self._thread.join(timeout=STANDBY_GRACE_S + 15)  # (a change under way, the standbys' grace, their end)
         workers = self.run_dir / "workers"
         for said in [*workers.glob("standby-*.err"), *workers.glob("joiner-*.err")]:
             if not said.stat().st_size:  # (those that had nothing to say)
