@@ -123,6 +123,15 @@ def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int
     started with `fast join` at `joined_at` (None: at once), the run ended with `fast stop` once the joiner (member
     `joiner`) has trained; its summary."""
     proc = _start(run, {"run.workers": workers, "run.max_time": "300s", **options})  # ended by fast stop
+    _killed_then_joined(proc, run, killed_at, killed, joined_at, joiner, while_joining)
+    return json.loads((run / "summary.json").read_text())
+
+
+def _killed_then_joined(proc: subprocess.Popen, run: Path, killed_at: int, killed: int, joined_at: int | None,
+                        joiner: int, while_joining: Any = None, joined_from: Path | None = None) -> None:  # fmt: skip
+    """In the run `proc` launched: worker `killed` killed at step `killed_at` of worker 0, `fast join` (from the
+    folder `joined_from`) at `joined_at` (None: at once), the run ended with `fast stop` once the joiner (member
+    `joiner`) has trained; both end well."""
     try:
         _wait_for_step(run, killed_at, proc)
         sockets = listening(proc.pid)  # every process of a local run, the launcher's store included, on loopback
@@ -131,18 +140,18 @@ def _kill_one_then_join(run: Path, options: dict, killed_at: int, joined_at: int
         if joined_at is not None:
             _wait_for_step(run, joined_at, proc)
         env = {**os.environ, "FAST_PROGRESS": "0"}
-        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env)
+        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env,
+                                   cwd=joined_from)  # fmt: skip
         if while_joining is not None:  # (the joiner takes a few seconds to start)
             while_joining()
         joiner_err = _stop_once_joined(run, joining, run, joiner, launcher=proc)
         assert joining.returncode == 0, joiner_err
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, err
-    return json.loads((run / "summary.json").read_text())
 
 
 @pytest.mark.parametrize(
@@ -316,19 +325,7 @@ def test_a_joiner_of_a_script_run_runs_the_script(tmp_path, no_orphans):
     proc = subprocess.Popen([FAST, "run", "--out", str(run), *_sets(options), str(script), str(marks)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True)  # fmt: skip
-    try:
-        _wait_for_step(run, 10, proc)
-        _worker(proc.pid, 2).send_signal(signal.SIGKILL)
-        joining = subprocess.Popen([FAST, "join", str(run)], stderr=subprocess.PIPE, text=True, env=env,
-                                   cwd=elsewhere)  # fmt: skip
-        joiner_err = _stop_once_joined(run, joining, run, 3, launcher=proc)
-        assert joining.returncode == 0, joiner_err
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
+    _killed_then_joined(proc, run, 10, 2, None, 3, joined_from=elsewhere)
     assert sorted(p.name for p in marks.iterdir()) == ["ran-0", "ran-1", "ran-2", "ran-3"]
     assert (marks / "ran-3").read_text() == str(tmp_path)  # (the launcher's folder, not the one it was joined from)
     summary = json.loads((run / "summary.json").read_text())

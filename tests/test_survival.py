@@ -38,24 +38,21 @@ def _killed_at_step(model, x, y):
 _killed_at_step.calls = 0
 
 
-def _raises_at_step(model, x, y):
-    _raises_at_step.calls += 1
-    if os.environ["RANK"] == "2" and _raises_at_step.calls == DIES_AT:
-        raise ValueError("worker 2's own bug")
-    return torch.nn.functional.cross_entropy(model(x), y)
+class _RaisesAtStep:
+    """A step that raises `error` on worker 2 at step DIES_AT (each worker counts its own steps)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.calls = error, 0
+
+    def __call__(self, model, x, y):
+        self.calls += 1
+        if os.environ["RANK"] == "2" and self.calls == DIES_AT:
+            raise self.error
+        return torch.nn.functional.cross_entropy(model(x), y)
 
 
-_raises_at_step.calls = 0
-
-
-def _misuses_the_api_at_step(model, x, y):
-    _misuses_the_api_at_step.calls += 1
-    if os.environ["RANK"] == "2" and _misuses_the_api_at_step.calls == DIES_AT:
-        raise UsageError("job.log() takes numbers: log loss=loss, not a list")
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-_misuses_the_api_at_step.calls = 0
+_raises_at_step = _RaisesAtStep(ValueError("worker 2's own bug"))
+_misuses_the_api_at_step = _RaisesAtStep(UsageError("job.log() takes numbers: log loss=loss, not a list"))
 
 
 @pytest.mark.nondeterministic
@@ -92,7 +89,7 @@ def test_a_worker_whose_own_code_raises_is_named_at_once_with_its_traceback_and_
     assert [f["worker"] for f in summary["failures"]] == [2]
     said = [line for line in err.splitlines() if line.startswith("fast: worker 2 failed")]
     assert said == ["fast: worker 2 failed: ValueError: worker 2's own bug; the others go on without it"], err
-    assert err.count("Traceback") == 1 and "_raises_at_step" in err, err
+    assert err.count("Traceback") == 1 and "raise self.error" in err, err
 
 
 @pytest.mark.parametrize("membership", ["fixed", "live"])
