@@ -423,8 +423,9 @@ class Coordinator:
             return f"its config differs from the run's: {difference}"
         loop = request["loop"] if "loop" in request else "fast"  # (a joiner of an older FAST: its own loop)
         if loop != self.loop:
-            return (f"it would train {LOOPS.get(loop, 'a loop FAST does not know')} where the run trains "
-                    f"{LOOPS[self.loop]}: join a script's run from its folder, on its launcher's machine")  # fmt: skip
+            theirs = LOOPS.get(loop, "a loop FAST does not know")
+            where = ": join a script's run from its folder, on its launcher's machine" if self.loop == "script" else ""
+            return f"it would train {theirs} where the run trains {LOOPS[self.loop]}{where}"
         limit = self.deployment.max_workers or 256
         if (size + len(self.pending)) // self.shards >= limit:  # (a sharded run's workers are replicas of K)
             return f"the run already has {size // self.shards} workers, its run.max_workers: try again when one leaves"

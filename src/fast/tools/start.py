@@ -188,13 +188,14 @@ IN_PYTHON = ("code given to fast.train in Python (model_fn, step_fn), which no j
              '(model.factory = "package.module:function"), or train a script with `fast run`')  # fmt: skip
 
 
-def record_start(run_dir: Path, loop: str, script: str = "", argv: list[str] = (), env: dict | None = None) -> None:
+def record_start(run_dir: Path, loop: str, script: str = "", argv: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
     """Write down in `run_dir` how a worker of this live run starts, for its joiners (`recorded_script`): its `loop`
     is FAST's own on the run's config ("fast"), one with code given in Python, which no joiner can start ("python"),
     or the user's `script` with its arguments ("script"). (Every live run writes it: none is left from another.)"""
     record: dict[str, Any] = {"loop": loop}
     if loop == "script":
-        record.update(script=script, argv=list(argv), cwd=os.getcwd(),
+        record.update(script=script, argv=list(argv or []), cwd=os.getcwd(),
                       environment={k: v for k, v in (env or {}).items() if k in RECORDED_VARIABLES})  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     files.write_text(run_dir / START_FILE, json.dumps(record), private=True)
