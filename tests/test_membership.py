@@ -30,6 +30,7 @@ from fast.runtime.loader import epoch_order
 from fast.runtime.membership import Access, Coordinator, Member, connect, read_key
 from fast.runtime.run_store import RunStoreServer
 from fast.tools.cli import main
+from fast.tools.join import join
 from fast.tools.start import START_FILE, record_start, recorded_script
 from tests.processes import listening
 
@@ -292,7 +293,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 import fast
 
-job = fast.init()
+job = fast.init({"run": {"seed": 3}})  # (a config of the script's own, which the launcher does not know)
 pathlib.Path(sys.argv[1], f"ran-{job.rank}").write_text(os.getcwd())  # (each process of the script says so)
 features, labels = load_digits(return_X_y=True)
 data = TensorDataset(torch.tensor(features, dtype=torch.float32) / 16, torch.tensor(labels))
@@ -348,6 +349,11 @@ def test_a_joiner_starts_only_what_the_run_folder_says_and_only_once_checked(tmp
         (tmp_path / START_FILE).write_text(json.dumps(hostile))
         with pytest.raises(ConfigError, match="is not what FAST wrote there"):
             recorded_script(tmp_path)
+    (tmp_path / START_FILE).write_text(json.dumps(good))
+    (tmp_path / "membership.json").write_text(json.dumps({"address": "127.0.0.1", "port": 1}))
+    for given in [{"config": str(tmp_path / "job.toml")}, {"optimizer__lr": 1.0}]:
+        with pytest.raises(ConfigError, match="the run's workers run a script, .* drop --config and --set"):
+            join(tmp_path, **given)
     record_start(tmp_path, "fast")
     assert recorded_script(tmp_path) is None
     record_start(tmp_path, "python")

@@ -418,14 +418,16 @@ class Coordinator:
             joiner = load_config(json.loads(request["config"]))
         except (ConfigError, ValueError, KeyError, TypeError, RecursionError) as e:
             return f"its request is not valid: {type(e).__name__}: {str(e)[:200]}"
-        difference = config_difference(self.config, joiner)
-        if difference is not None:
-            return f"its config differs from the run's: {difference}"
         loop = request["loop"] if "loop" in request else "fast"  # (a joiner of an older FAST: its own loop)
         if loop != self.loop:
             theirs = LOOPS.get(loop, "a loop FAST does not know")
             where = ": join a script's run from its folder, on its launcher's machine" if self.loop == "script" else ""
             return f"it would train {theirs} where the run trains {LOOPS[self.loop]}{where}"
+        # (a script's joiner runs the founders' script with their settings, and so takes its config as they did from
+        # the script's fast.init, of which the launcher's `config` is only the part it was given: nothing to compare)
+        difference = config_difference(self.config, joiner) if loop != "script" else None
+        if difference is not None:
+            return f"its config differs from the run's: {difference}"
         limit = self.deployment.max_workers or 256
         if (size + len(self.pending)) // self.shards >= limit:  # (a sharded run's workers are replicas of K)
             return f"the run already has {size // self.shards} workers, its run.max_workers: try again when one leaves"

@@ -63,9 +63,12 @@ def join(
         folder = Path(run_dir)
         found, secret_file = live_run("fast join", folder)
         address, token_file = address or found, token_file or secret_file
+        script = recorded_script(folder)
+        if script is not None and (config is not None or overrides):
+            raise ConfigError("fast join: the run's workers run a script, with the founders' config and settings, "
+                              "which a joiner takes too: drop --config and --set")  # fmt: skip
         config = config or folder / "config.toml"
         out = out or folder
-        script = recorded_script(folder)
     if address is None or token_file is None or config is None:
         raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config")
     parts = resolve(config, **overrides)
