@@ -5,12 +5,14 @@ a local live run listens on loopback only, and two runs never share a folder."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -75,6 +77,21 @@ def wait_for_workers(proc: subprocess.Popen, count: int = 2, timeout: float = 90
             return
         time.sleep(0.1)
     raise AssertionError(f"no workers after {timeout}s: {in_session(proc.pid)}")
+
+
+def until(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {condition}"
+        time.sleep(0.1)
+
+
+def kill_session(sid: int) -> None:
+    """Every process of session `sid` killed, stopped or not (a stopped worker's lifeline cannot end it)."""
+    for p in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            if os.getsid(p.pid) == sid:
+                p.kill()
 
 
 def gone_within(sid: int, seconds: float) -> list[str]:
@@ -240,9 +257,11 @@ def test_two_live_runs_on_one_master_port_both_finish(tmp_path):
 
 def test_ctrl_z_pauses_every_process_of_the_run_and_fg_resumes_them(tmp_path):
     run = tmp_path / "run"
+    metrics = run / "workers" / "metrics-0.jsonl"
     proc = start([FAST, "train", "--out", str(run), *LONG], tmp_path)
     try:
         wait_for_workers(proc)
+        until(metrics.exists, 90)  # training (on 2 busy cores the first record may take a while)
         os.killpg(proc.pid, signal.SIGTSTP)  # the terminal's Ctrl-Z reaches the launcher's group only
         end = time.monotonic() + 10  # (on 2 busy cores the launcher may take a while to run its handler)
         while True:
