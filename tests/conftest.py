@@ -5,6 +5,7 @@
 measure the spread of the nondeterministic tests' accuracies over seeds, from which their bars are set.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -100,5 +101,9 @@ def no_orphans():
     deadline = time.time() + 10
     while fast_children() and time.time() < deadline:
         time.sleep(0.2)
-    left = [(p.pid, " ".join(p.cmdline())[:200]) for p in fast_children()]
+    children = fast_children()
+    left = [(p.pid, " ".join(p.cmdline())[:200]) for p in children]
+    for child in children:  # killed once named: the test that left them fails, not every test after it
+        with contextlib.suppress(psutil.Error):
+            child.kill()
     assert not left, f"processes left behind: {left}"
