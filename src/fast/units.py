@@ -20,10 +20,10 @@ _QUANTITY = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(
 # Bandwidth units: prefix, then 'bit', 'bps' or 'bit/s' (bits) or 'B/s' (bytes; the capital B is required).
 _BANDWIDTH_UNIT = re.compile(r"^(?P<prefix>(?:[kKmMgGtT]i?)?)(?P<base>bit|bps|bit/s|B/s)$")
 
-_SECONDS_PER_DURATION_UNIT = {"": 1.0, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
+_SECONDS_PER_DURATION_UNIT = {"": 1.0, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
 
 _BANDWIDTH_HINT = "expected e.g. '10Mbit' or '1Gbit'"
-_DURATION_HINT = "expected e.g. '50ms' or '1s'"
+_DURATION_HINT = "expected seconds, or a number with us, ms, s, min or h: e.g. '50ms', '1s' or '2h'"
 
 
 def _split_quantity(text: str) -> tuple[float, str] | None:
@@ -61,7 +61,7 @@ def parse_bandwidth(value: str | float) -> float:
 
 
 def parse_duration(value: str | float) -> float:
-    """Seconds from a string such as '50ms', '200us', '1.5s', '2min' or '0.05'."""
+    """Seconds from a string such as '50ms', '200us', '1.5s', '2min', '2h' or '0.05'."""
     number = _plain_number(value)
     if number is None:
         if not isinstance(value, str) or (parts := _split_quantity(value)) is None:

@@ -83,7 +83,7 @@ class RunConfig(Section):
         "sequences), at the first step (a round, for the periodic family in a live run) that reaches it",
     )
     max_time: str | float | None = Field(
-        None, description='stop training after this much training time, e.g. "5min" (evaluation off the clock)'
+        None, description='stop training after this much training time, e.g. "5min" or "12h" (evaluation off the clock)'
     )
     check_interval: str | float = Field(
         "1s",
