@@ -39,6 +39,11 @@ class UserCode:
     # outside fast.strategies (e.g. in the user's script) there too
     strategy_class: type | None = None
 
+    @property
+    def in_python(self) -> bool:
+        """Whether it replaces the model or the step: code no other process (a joiner) can start from the config."""
+        return self.model_fn is not None or self.step_fn is not None
+
 
 @dataclass(frozen=True)
 class Packed:

@@ -43,7 +43,7 @@ def prepare(config: Any = None, *, out: str | Path | None = None, resume: str | 
         source = config if config is not None else Path(resume) / "config.toml"
     parts = resolve(source, user, **overrides)
     check_data(parts.data)  # data that is not there fails here, before anything starts (or any folder is made)
-    if parts.deployment.churn is not None and user is not None and (user.model_fn or user.step_fn) is not None:
+    if parts.deployment.churn is not None and user is not None and user.in_python:
         raise ConfigError(f"[faults] churn's joiners come through `fast join`, and this run trains {IN_PYTHON}")
     if resume is not None:
         run_dir = Path(resume)
@@ -149,7 +149,7 @@ def train(
     """Run one training job to the end; returns the summary (on rank 0; {} on other torchrun ranks)."""
     user = UserCode(model_fn=model_fn, step_fn=step_fn)
     parts, run_dir = prepare(config, out=out, resume=resume, user=user, **overrides)
-    loop = "fast" if (model_fn or step_fn) is None else "python"
+    loop = "python" if user.in_python else "fast"
     try:
         if parts.deployment.live:
             record_start(run_dir, loop)
