@@ -682,6 +682,30 @@ def test_fast_join_or_stop_without_a_live_run_says_so(tmp_path, capsys, command)
     assert f"fast {command} {tmp_path}: no live run there" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--script", "missing.py"], "fast join --script missing.py: no such file: give the path of the run's script"),
+        (["--script", "s.py", "--config", "none.toml"], "fast join --config none.toml: no such file"),
+        (["--", "a", "b"], "fast join: a b: arguments for a script, but no --script SCRIPT given"),
+        (["--script", "s.py"], "fast join --script: the settings are not a live run's (run.membership = 'fixed')"),
+    ],
+    ids=["no script", "no config", "arguments without a script", "not a live run's settings"],
+)
+def test_a_joiner_of_another_machines_script_run_given_what_cannot_be_is_told_in_one_line(
+    tmp_path, capsys, monkeypatch, arguments, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("import fast\n")
+    (tmp_path / "secret").write_text(os.urandom(32).hex())
+    assert main(["join", "--address", "127.0.0.1:1", "--token-file", "secret", *arguments]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"fast: error: {message}"), line
+    # a run of this machine is joined from its folder, which says what its joiners run
+    assert main(["join", str(tmp_path), "--script", "s.py"]) == 2
+    assert "--address and --token-file (a run of this machine is joined from its folder" in capsys.readouterr().err
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
@@ -758,6 +782,61 @@ def test_a_worker_on_another_machine_joins_over_the_link_and_heals_across_it(tmp
         assert healed["from"] == "servers" and healed["catch_up_bytes"] == events[-1]["catch_up_bytes"]
     # the catch-up crossed the link: the joiner's machine received at least its bytes, by the kernel's count
     assert after - before >= events[-1]["catch_up_bytes"] > 0
+
+
+def test_a_worker_on_another_machine_joins_a_script_run_with_its_own_copy_of_the_script(tmp_path, no_orphans,
+                                                                                       two_machines):  # fmt: skip
+    """`fast join --address --token-file --script S -- ARGS` on another machine starts its copy of the run's script
+    there, with the founders' --set, as `fast run` started theirs, and is healed across the link; FAST's own loop
+    (--config) is refused, as it trains another model, and a script whose model is not the run's fails in one line
+    when its state comes, the run going on without it."""
+    in_a, in_b, master, _, _ = two_machines
+    run, marks, here, there = tmp_path / "run", tmp_path / "marks", tmp_path / "a", tmp_path / "b"
+    for folder in (marks, here, there):
+        folder.mkdir()
+    for folder in (here, there):
+        (folder / "joined.py").write_text(JOINED_SCRIPT)
+    narrower = JOINED_SCRIPT.replace("(64, 32), nn.Tanh(), nn.Linear(32,", "(64, 16), nn.Tanh(), nn.Linear(16,")
+    (there / "other.py").write_text(narrower)  # (a script whose model is not the run's)
+    sets = _sets({"run.membership": "live", "run.workers": 2, "run.log_every": 1, "run.checkpoint_every": 0,
+                  "strategy.name": "sync", "run.master_addr": master})  # fmt: skip
+    env = {**os.environ, "FAST_PROGRESS": "0"}
+    proc = subprocess.Popen([*in_a, FAST, "run", "--out", str(run), *sets, "joined.py", str(marks)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=here,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _wait_for_step(run, 20, proc)
+        token = tmp_path / "token"
+        token.write_text((run / "membership.secret").read_text())
+        port = json.loads((run / "membership.json").read_text())["port"]
+        access = ["--address", f"{master}:{port}", "--token-file", str(token)]
+        its_loop = subprocess.run([*in_b, FAST, "join", *access, "--config", str(run / "config.toml")],
+                                  capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
+        other = subprocess.run([*in_b, FAST, "join", *access, *sets, "--out", str(tmp_path / "other"), "--script",
+                                "other.py", "--", str(marks)], capture_output=True, text=True, env=env, cwd=there,
+                               timeout=180)  # fmt: skip
+        joiner = subprocess.Popen([*in_b, FAST, "join", *access, *sets, "--out", str(tmp_path / "joiner"), "--script",
+                                   "joined.py", "--", str(marks)], stderr=subprocess.PIPE, text=True, env=env,
+                                  cwd=there)  # fmt: skip
+        joiner_err = _stop_once_joined(run, joiner, tmp_path / "joiner", 3, in_run=in_a)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert its_loop.returncode == 2 and "--script SCRIPT -- ARGS` on another" in its_loop.stderr, its_loop.stderr
+    assert other.returncode == 2 and other.stderr.splitlines()[-1] == (
+        "fast: error: worker 0 failed: the run's model is not this worker's: 0.weight is [32, 64] in the run and "
+        "[16, 64] here: a joiner builds the founders' model, so give it their script and their --config and --set"
+    ), other.stderr
+    assert "Traceback" not in other.stderr
+    assert joiner.returncode == 0 and proc.returncode == 0, (joiner_err, err)
+    assert sorted(p.name for p in marks.iterdir()) == ["ran-0", "ran-1", "ran-2", "ran-3"]
+    assert (marks / "ran-3").read_text() == str(there)  # its own copy, in the folder it was joined from
+    events = json.loads((run / "summary.json").read_text())["membership"]
+    assert events[-1]["joined"] == [3] and events[-1]["members"] == [0, 1, 3]
+    (healed,) = _healed(tmp_path / "joiner", 3)
+    assert healed["fingerprint"] == healed["source_fingerprint"]
 
 
 def _kill_what_runs(proc: subprocess.Popen, joiners: list[subprocess.Popen]) -> None:
@@ -920,8 +999,9 @@ def test_a_joiner_that_would_train_another_loop_than_the_runs_is_refused(tmp_pat
                             ("mine", "a loop FAST does not know")]:  # fmt: skip
             request = {"config": config, **({"loop": loop} if loop else {})}  # (None: an older FAST's request)
             assert coordinator._refusal(json.dumps(request).encode(), 2) == (
-                f"it would train {words} where the run trains a script (fast run): join a script's run from its "
-                "folder, on its launcher's machine"
+                f"it would train {words} where the run trains a script (fast run): join it with its script, "
+                "`fast join RUN_DIR` on its launcher's machine or `fast join --address --token-file --script SCRIPT "
+                "-- ARGS` on another"
             )
     finally:
         coordinator.close()

@@ -62,7 +62,7 @@ from fast.comm import bootstrap as engine
 from fast.comm import timing
 from fast.comm.comm import IncomingBytes, limit_for, packed, unpacked
 from fast.emulation.deployment import comm_maker, network_for
-from fast.errors import CommError, FastError, first_line
+from fast.errors import CommError, FastError, UsageError, first_line
 from fast.runtime import control
 from fast.runtime.control import Answer, Control
 from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded, report_left
@@ -720,6 +720,10 @@ class Live:
         self._schedule_state = state["schedule"]
 
     def _load_holdings(self, state: dict[str, Any]) -> None:
+        unlike = _unlike(state["model"], self._own_model().state_dict())
+        if unlike is not None:  # (a joiner given another script, or other settings, than the founders')
+            raise UsageError(f"the run's model is not this worker's: {unlike}: a joiner builds the founders' model, "
+                             "so give it their script and their --config and --set")  # fmt: skip
         self._own_model().load_state_dict(state["model"])  # (a view's: into the local shards' own memory)
         if self.sharded is None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -1001,3 +1005,15 @@ class Live:
 
     def _close_membership(self) -> None:
         self.member.close()
+
+
+def _unlike(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """The first difference in names or shapes between two models' states, said in words; None when alike."""
+    if only_theirs := sorted(theirs.keys() - mine.keys()):
+        return f"the run's has {only_theirs[0]}, which this one has not"
+    if only_mine := sorted(mine.keys() - theirs.keys()):
+        return f"this one has {only_mine[0]}, which the run's has not"
+    for name, tensor in mine.items():
+        if tuple(theirs[name].shape) != tuple(tensor.shape):
+            return f"{name} is {list(theirs[name].shape)} in the run and {list(tensor.shape)} here"
+    return None

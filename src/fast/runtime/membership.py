@@ -421,7 +421,8 @@ class Coordinator:
         loop = request["loop"] if "loop" in request else "fast"  # (a joiner of an older FAST: its own loop)
         if loop != self.loop:
             theirs = LOOPS.get(loop, "a loop FAST does not know")
-            where = ": join a script's run from its folder, on its launcher's machine" if self.loop == "script" else ""
+            where = (": join it with its script, `fast join RUN_DIR` on its launcher's machine or `fast join --address "
+                     "--token-file --script SCRIPT -- ARGS` on another") if self.loop == "script" else ""  # fmt: skip
             return f"it would train {theirs} where the run trains {LOOPS[self.loop]}{where}"
         # (a script's joiner runs the founders' script with their settings, and so takes its config as they did from
         # the script's fast.init, of which the launcher's `config` is only the part it was given: nothing to compare)

@@ -55,8 +55,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     from fast.tools.join import join
 
-    member = join(args.run_dir, address=args.address, token_file=args.token_file, config=args.config, out=args.out,
-                  standby=args.standby, **_overrides(args.set))  # fmt: skip
+    run_dir, script_args = args.run_dir, args.args
+    if args.script is None and script_args:
+        given = " ".join([run_dir, *script_args] if run_dir is not None else script_args)
+        raise ConfigError(f"fast join: {given}: arguments for a script, but no --script SCRIPT given")
+    if args.script is not None:
+        if args.address is None:
+            raise ConfigError("fast join --script: give the run's --address and --token-file (a run of this machine "
+                              "is joined from its folder, with the script it records: fast join RUN_DIR)")  # fmt: skip
+        if run_dir is not None:  # (argparse's, of the script's arguments after --)
+            run_dir, script_args = None, [run_dir, *script_args]
+    member = join(run_dir, address=args.address, token_file=args.token_file, config=args.config, out=args.out,
+                  standby=args.standby, script=args.script, script_args=script_args,
+                  **_overrides(args.set))  # fmt: skip
     if member is not None:  # (None: a standby, which has said how it ended)
         print(f"fast: worker {member} trained with the run to its end")
     return 0
@@ -161,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     j = sub.add_parser(
         "join",
-        help="join a running live job: fast join RUN_DIR, or --address HOST:PORT --token-file F --config C",
+        help="join a running live job: fast join RUN_DIR, or --address HOST:PORT --token-file F, and --config C or "
+        "--script S -- ARGS",
     )
     j.add_argument("run_dir", nargs="?", help="the folder of a run of this machine (its address and secret are there)")
     j.add_argument("--address", metavar="HOST:PORT", help="the run's membership address (its membership.json)")
@@ -171,6 +183,8 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     standby = "get ready (imports, config), then fork a joiner for each line on stdin (a file named on it: its stderr)"
     j.add_argument("--standby", action="store_true", help=standby)
+    j.add_argument("--script", help="another machine's run of `fast run SCRIPT`: this machine's copy of the script")
+    j.add_argument("args", nargs="*", help="the script's own arguments, after -- (… --script S -- ARGS)")
     j.set_defaults(func=cmd_join)
     st = sub.add_parser("stop", help="end a live run cleanly: fast stop RUN_DIR, or --address --token-file")
     st.add_argument("run_dir", nargs="?", help="the folder of a run of this machine")

@@ -4,7 +4,11 @@ is a replica of `run.shards` processes, admitted as one (K consecutive member id
 one of them ends badly the others are stopped at once, and the run is told the replica is gone.
 
     fast join RUN_DIR                                   a run of this machine: its address and secret are in RUN_DIR
-    fast join --address HOST:PORT --token-file F CONFIG another machine's: the run's secret as a file, its config
+    fast join --address HOST:PORT --token-file F --config CONFIG
+                                                        another machine's: the run's secret as a file, its config
+    fast join --address HOST:PORT --token-file F [--config C] [--set K=V] --script S [-- ARGS]
+                                                        another machine's run of `fast run S ARGS`: the script (its copy
+                                                        on this machine), with the founders' --config and --set
     fast join RUN_DIR --standby                         warm: ready now, a joiner for each line on its stdin
 
 A joiner's worker processes are forked from it, once it has imported torch and the loop (one import, where a fork
@@ -33,7 +37,7 @@ from fast.parts import resolve
 from fast.runtime.launch import WorkerFailed, launch, may_fork_here, warm_up
 from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
-from fast.tools.start import recorded_script, run_script_process
+from fast.tools.start import recorded_script, run_script_process, script_settings
 
 
 def live_run(command: str, folder: Path) -> tuple[str, Path]:
@@ -54,32 +58,54 @@ def join(
     config: str | Path | None = None,
     out: str | Path | None = None,
     standby: bool = False,
+    script: str | None = None,
+    script_args: list[str] | None = None,
     **overrides: Any,
 ) -> int | None:
     """Join a running job and train with it to its end; returns this worker's member id (a sharded replica's: its
-    shard 0's; None: a standby joiner whose input ended, which said so, and whose forked joiners have ended)."""
-    script = None  # (a run of `fast run SCRIPT`: its joiners run the script, as its founders do)
+    shard 0's; None: a standby joiner whose input ended, which said so, and whose forked joiners have ended). A run of
+    `fast run SCRIPT` is joined with its script: of this machine, the one its folder records; of another, `script`
+    with `script_args`, started as `fast run` starts it, with `config` and `overrides` as the founders' launcher had."""
+    started = None  # (a run of `fast run SCRIPT`: its joiners run the script, as its founders do)
     if run_dir is not None:
         folder = Path(run_dir)
         found, secret_file = live_run("fast join", folder)
         address, token_file = address or found, token_file or secret_file
-        script = recorded_script(folder)
-        if script is not None and (config is not None or overrides):
+        if script is not None:
+            raise ConfigError(
+                f"fast join {folder} --script: a joiner of a run of this machine runs what its folder "
+                "records; --script is for another machine's run (with --address and --token-file)"
+            )
+        started = recorded_script(folder)
+        if started is not None and (config is not None or overrides):
             raise ConfigError("fast join: the run's workers run a script, with the founders' config and settings, "
                               "which a joiner takes too: drop --config and --set")  # fmt: skip
         config = config or folder / "config.toml"
         out = out or folder
-    if address is None or token_file is None or config is None:
-        raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config")
-    parts = resolve(config, **overrides)
-    job = parts.config
+    elif script is not None:
+        if not Path(script).is_file():
+            raise ConfigError(f"fast join --script {script}: no such file: give the path of the run's script")
+        if config is not None and not Path(config).is_file():
+            raise ConfigError(f"fast join --config {config}: no such file: give the founders' --config, if any")
+    if address is None or token_file is None or (config is None and script is None):
+        raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config "
+                          "(--config, or --script for a run of `fast run SCRIPT`)")  # fmt: skip
+    if started is None and script is not None:
+        job, launcher = script_settings(script, None if config is None else str(config), overrides)
+        started = str(Path(script).resolve()), list(script_args or []), os.getcwd(), launcher
+    else:
+        parts = resolve(config, **overrides)
+        job = parts.config
+    if not job.run.live and script is not None:
+        raise ConfigError("fast join --script: the settings are not a live run's (run.membership = 'fixed'): give "
+                          "the --config and --set that the founders' `fast run` had")  # fmt: skip
     if not job.run.live:
         raise ConfigError("fast join: the config is not a live run's (run.membership = 'fixed'): nothing can join it")
     access = Access.parse(address, read_secret("fast join", Path(token_file)))
     warm_up()
     if standby and not _joins_on_a_line():
         return None
-    member = request_admission(access, job, job.run.deadline_s, "fast" if script is None else "script")
+    member = request_admission(access, job, job.run.deadline_s, "fast" if started is None else "script")
     out = Path(out) if out is not None else new_folder(Path("runs"), f"{job.run.name}-joined")
     environment = {**access.environment(Path(token_file).resolve()), "FAST_MEMBER_ID": str(member), "FAST_JOINING": "1"}
 
@@ -87,9 +113,10 @@ def join(
         if exit_code:  # tell the run at once, rather than at the end of this worker's heartbeats
             report_left(access, member + rank, "killed" if exit_code < 0 else f"exited with code {exit_code}")
 
-    fn, args = train_worker, (parts, out, False)
-    if script is not None:
-        path, argv, cwd, launcher = script
+    if started is None:
+        fn, args = train_worker, (parts, out, False)
+    else:
+        path, argv, cwd, launcher = started
         fn, args = run_script_process, (path, argv, cwd)
         environment.update({**launcher, "FAST_RUN_DIR": str(out.resolve())})
     addr, shards = access.host, job.run.shards
