@@ -37,7 +37,7 @@ from fast.parts import resolve
 from fast.runtime.launch import WorkerFailed, launch, may_fork_here, warm_up
 from fast.runtime.membership import ADDRESS_FILE, SECRET_FILE, Access, read_secret, report_left, request_admission
 from fast.runtime.run_folder import new_folder
-from fast.tools.start import recorded_script, run_script_process, script_settings
+from fast.tools.start import launcher_view, recorded_script, run_script_process, script_settings
 
 
 def live_run(command: str, folder: Path) -> tuple[str, Path]:
@@ -91,7 +91,8 @@ def join(
         raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config "
                           "(--config, or --script for a run of `fast run SCRIPT`)")  # fmt: skip
     if started is None and script is not None:
-        job, launcher = script_settings(script, None if config is None else str(config), overrides)
+        launcher = script_settings(script, None if config is None else str(config), overrides)
+        job = launcher_view(None if config is None else str(config), overrides)
         started = str(Path(script).resolve()), list(script_args or []), os.getcwd(), launcher
     else:
         parts = resolve(config, **overrides)

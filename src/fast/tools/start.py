@@ -226,7 +226,7 @@ def recorded_script(run_dir: Path) -> tuple[str, list[str], str, dict[str, str]]
     return script, argv, cwd, env
 
 
-def _launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
+def launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
     """What the launcher needs of the run (workers, servers, name, restarts, address): `config` and the overrides.
     Keys that only the script's own config makes valid ([model] width with its factory, say) are left to the
     script's fast.init, which checks them all."""
@@ -242,17 +242,15 @@ def _launcher_view(config: str | None, overrides: dict[str, Any]) -> Config:
             raise error from None
 
 
-def script_settings(script: str, config: str | None, overrides: dict[str, Any]) -> tuple[Config, dict[str, str]]:
-    """The launcher's view of a script's run (`_launcher_view`), and the settings (RECORDED_VARIABLES) with which
-    each of its processes starts `script`: its fast.init takes `config` (a TOML path) in place of its own, if given,
-    and the dotted `overrides` on top."""
+def script_settings(script: str, config: str | None, overrides: dict[str, Any]) -> dict[str, str]:
+    """The settings (RECORDED_VARIABLES) with which each process of a script's run starts `script`: its fast.init
+    takes `config` (a TOML path) in place of its own, if given, and the dotted `overrides` on top."""
     add_search_path(str(Path(script).resolve().parent))
-    env = {
+    return {
         "FAST_OVERRIDES": json.dumps({k.replace("__", "."): v for k, v in overrides.items()}),
         **({"FAST_CONFIG": str(Path(config).resolve())} if config else {}),
         "FAST_CODE_PATH": os.environ["FAST_CODE_PATH"],
     }
-    return _launcher_view(config, overrides), env
 
 
 def run_script(
@@ -273,9 +271,10 @@ def run_script(
         raise ConfigError(f"fast run --config {config}: no such file: give the path of a TOML file or a package")
     if workers is not None and workers < 1:
         raise ConfigError(f"fast run --workers {workers}: a run needs at least 1 worker")
-    base = _launcher_view(config, overrides)
+    base = launcher_view(config, overrides)
     workers = workers or base.run.workers
-    launcher_config, env = script_settings(script, config, {**overrides, "run__workers": workers})
+    launcher_config = load_config(base, run__workers=workers)
+    env = script_settings(script, config, {**overrides, "run__workers": workers})
     deployment = deployment_of(launcher_config, strategy_for(launcher_config), strategy_options(launcher_config))
     run_dir = Path(resume or out or default_run_dir(launcher_config.run.name))
     env["FAST_RUN_DIR"] = str(run_dir.resolve())
