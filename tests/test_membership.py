@@ -27,7 +27,7 @@ from fast.optim import build_optimizer
 from fast.parts import resolve
 from fast.runtime.live import STUCK_EXIT_CODE, Live, sources_for
 from fast.runtime.loader import epoch_order
-from fast.runtime.membership import Access, Coordinator, Member, connect, read_key
+from fast.runtime.membership import Access, Coordinator, Member, connect, read_key, request_admission
 from fast.runtime.run_store import RunStoreServer
 from fast.tools.cli import main
 from fast.tools.join import join
@@ -1076,6 +1076,36 @@ def test_forming_a_group_gives_up_once_a_newer_generation_replaces_the_one_it_fo
             store.get("the address of a member that never comes")
     finally:
         member.close()
+        coordinator.close()
+
+
+@pytest.mark.parametrize(("strategy", "keeps_the_joiner"), [("async-ps", True), ("sync", False)], ids=["async-ps", "sync"])
+def test_a_detached_run_that_loses_a_member_while_it_ends_keeps_the_others_joiners_included(
+    tmp_path, strategy, keeps_the_joiner
+):
+    """While a run ends nobody comes in: a new generation keeps only the members of the last group that formed, and a
+    joiner whose first group never formed is not one of them (sync). An async-ps run's members form no group: under
+    that rule a departure in its end dropped every joiner (members that had all joined came to none, and the launcher
+    judged that no member was left while one wrote the outputs), so a detached run keeps all it has not lost."""
+    parts = resolve({"run": {"workers": 2, "membership": "live"}, "strategy": {"name": strategy},
+                     "data": {"name": "digits"}, "model": {"name": "mlp"}})  # fmt: skip
+    coordinator = Coordinator(tmp_path, parts.config, parts.deployment, "127.0.0.1")
+    worker_0, worker_1 = Member(coordinator.access, 0, 5.0), Member(coordinator.access, 1, 5.0)
+    joiner = Member(coordinator.access, request_admission(coordinator.access, parts.config, 10), 5.0)
+    try:
+        joiner.ready()
+        assert joiner.wait_for(0, including=joiner.id).members == [0, 1, joiner.id]  # (no group of it forms)
+        coordinator._closing.set()  # the test takes the watch's next round itself: it sees the end and the departure
+        coordinator._thread.join()
+        worker_0.ending()
+        worker_1.leave("left (SIGTERM)")
+        coordinator._round()
+        ended = worker_0.generation(2)
+        assert ended.left == [{"member": 1, "how": "left (SIGTERM)"}] and not ended.failed, ended
+        assert ended.members == ([0, joiner.id] if keeps_the_joiner else [0]), ended
+    finally:
+        for member in (worker_0, worker_1, joiner):
+            member.close()
         coordinator.close()
 
 
