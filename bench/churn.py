@@ -4,7 +4,7 @@ back (`[faults] churn`).
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
                                     [--equal tokens|time] [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
     .venv/bin/python bench/churn.py --goodput --failure-every 15 --time 600 --steady-time 180 [--first-seed 0] \
-                                    --strategies sync local-sgd diloco
+                                    [--step-time 0.5] --strategies sync local-sgd diloco
 
 Every run's membership is live (`run.membership = "live"`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by
 default; `--real-links`: this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With
@@ -23,6 +23,11 @@ found gone, a joiner from when it takes part). On a machine of few cores fewer m
 flatters churn; so it is held against the steady rate at the churned run's mean members, interpolated between steady
 runs of the whole counts on either side (7 and 8 for a mean of 7.4), each `--steady-time` seconds; one steady run per
 strategy and count serves every seed (a seed changes the data's order and the first weights, not a step's work).
+`--step-time S` emulates each step's compute instead (`run.step_time`): a step whose own work took less than S waits
+out the rest, as a host waits for its device, so the members' steps take S however many of them there are, and the
+host's work for churn (a joiner's start, packing a heal, forming a group) takes idle cores, not the members' steps, as
+where each member has a machine of its own (pick S above a step's own work with every member on the cores: the
+summary's `compute_s` says it; the steady rates at 7 and 8 members then agree).
 Target: churned / steady >= 0.9 per member-second. Each failure's recovery: the seconds from the churn driver's order to
 leave (summary `membership`, `left`: `evicted_unix_time`; the member dies within a heartbeat, 0.5 s) to the first
 generation without it formed and healed (its `unix_time`: the survivors take their next step together), the periodic
@@ -138,11 +143,11 @@ def median_and_max(seconds: list[float]) -> str:
 
 
 def one_run(out: Path, strategy: str, seed: int, workers: int, seconds: float, churn: tuple[float, float] | None,
-            network: dict[str, str], samples: int | None = None) -> dict:  # fmt: skip
+            deployment: dict[str, str], samples: int | None = None) -> dict:  # fmt: skip
     """One run of `seconds` of training, or (`samples`) of that many samples, with a backstop of 5x the time;
     `churn`: each member's mean stay and mean absence, in seconds."""
     limit = seconds if samples is None else 5 * seconds
-    options = {**JOB, **STRATEGIES[strategy], **network, "run__seed": seed, "run__workers": workers,
+    options = {**JOB, **STRATEGIES[strategy], **deployment, "run__seed": seed, "run__workers": workers,
                "run__max_time": f"{limit}s"}  # fmt: skip
     if samples is not None:
         options["run__max_samples"] = samples
@@ -198,11 +203,15 @@ def main() -> int:
     parser.add_argument("--absence", type=float, default=5.0, help="--goodput: a member's mean time away (seconds)")
     parser.add_argument("--steady-time", type=float, help="--goodput: the steady run's seconds (default --time): "
                         "its samples per member-second is a rate, level after its first seconds")  # fmt: skip
+    parser.add_argument("--step-time", type=float, help="each step's compute emulated, in seconds (run.step_time): "
+                        "the members' steps take as long however many of them share this machine's cores")  # fmt: skip
     parser.add_argument("--first-seed", type=int, default=0, help="the seeds are this one and the next ones")
     args = parser.parse_args()
-    network = {} if args.real_links else {"network__bandwidth": args.bandwidth, "network__latency": args.latency}
+    deployment = {} if args.real_links else {"network__bandwidth": args.bandwidth, "network__latency": args.latency}
+    if args.step_time is not None:
+        deployment["run__step_time"] = f"{args.step_time:g}s"
     if args.goodput:
-        return goodput(args, network)
+        return goodput(args, deployment)
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for strategy in args.strategies:
@@ -210,7 +219,7 @@ def main() -> int:
             for churn in (False, True):  # alternated, so that a drift of the host hits both alike
                 name = f"{strategy}-{'churn' if churn else 'steady'}-seed{seed}"
                 draws = (args.time / 3, args.time / 10) if churn else None
-                row = one_run(args.out / name, strategy, seed, args.workers, args.time, draws, network, samples)
+                row = one_run(args.out / name, strategy, seed, args.workers, args.time, draws, deployment, samples)
                 if args.equal == "tokens":
                     samples = row["samples"]
                 rows.append(row)
@@ -239,7 +248,7 @@ def main() -> int:
     return 0
 
 
-def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
+def goodput(args: argparse.Namespace, deployment: dict[str, str]) -> int:
     """Per strategy and seed, a churned run, held against the steady rate at its mean members (`steady_rate`, once per
     strategy and count); their samples per member-second."""
     if args.failure_every is None:
@@ -253,7 +262,7 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
         data's order and the first weights, not a step's work)."""
         if (strategy, members) not in steady_runs:
             steady = one_run(args.out / f"{strategy}-steady-{members}", strategy, seed, members,
-                             args.steady_time or args.time, None, network)  # fmt: skip
+                             args.steady_time or args.time, None, deployment)  # fmt: skip
             steady["goodput"] = steady["samples"] / steady["member_s"]
             steady_runs[strategy, members] = steady
             rows.append(steady)
@@ -264,7 +273,7 @@ def goodput(args: argparse.Namespace, network: dict[str, str]) -> int:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for strategy in args.strategies:
             churned = one_run(args.out / f"{strategy}-churn-seed{seed}", strategy, seed, args.workers, args.time,
-                              draws, network)  # fmt: skip
+                              draws, deployment)  # fmt: skip
             churned["recovery_median_max_s"] = median_and_max(churned["recovery_s"])
             churned["lost_member_s"] = time_lost(churned)
             churned["goodput"] = churned["samples"] / churned["member_s"]

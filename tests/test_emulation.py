@@ -287,6 +287,29 @@ def test_a_slow_machine_sleeps_in_proportion_to_its_compute():
     assert machine.record()["slowdown_s"] >= 0.07
 
 
+def test_a_step_time_makes_a_faster_step_wait_out_the_rest_and_a_slower_one_wait_nothing():
+    machine = EmulatedMachine(MachinePlan(rank=0, step_time_s=0.1))
+    for step in range(3):
+        started = time.perf_counter()
+        machine.before_step(step)
+        time.sleep(0.02)
+        machine.after_step()
+        assert time.perf_counter() - started >= 0.1
+    waited = machine.record()["step_time_waited_s"]
+    assert 3 * 0.05 <= waited <= 3 * 0.08
+    assert machine.compute_s < 0.05  # the step's own work, not what it waited
+    machine.before_step(3)
+    time.sleep(0.12)
+    machine.after_step()
+    assert machine.record()["step_time_waited_s"] == waited
+
+
+def test_a_runs_step_time_is_its_machines():
+    config = load_config(None, data__name="digits", run__workers=4, run__step_time="200ms")
+    assert machine_for(config, 3).plan.step_time_s == 0.2
+    assert machine_for(load_config(None, data__name="digits"), 0).plan.step_time_s is None
+
+
 def test_a_servers_request_time_holds_its_reading_but_not_its_waits():
     """What a serving thread does between two answers (parsing the next request) is work on that request; the
     time it waits for the request to arrive is not."""
@@ -331,6 +354,14 @@ def _tiny_run(tmp_path, **overrides):
         run__threads_per_worker=1,
         **overrides,
     )
+
+
+def test_a_live_run_with_a_step_time_takes_it_for_each_step_on_its_cores_own_work(tmp_path, monkeypatch):
+    """The churn bench's emulated device: a live run's steps take run.step_time, their own work being less."""
+    monkeypatch.setenv("FAST_PROGRESS", "0")
+    summary = _tiny_run(tmp_path, run__step_time="100ms", run__membership="live")
+    assert summary["step_time_s"] >= 0.1
+    assert summary["step_compute_s"] < 0.1
 
 
 def test_an_emulated_run_records_its_deployment_and_prediction(tmp_path, monkeypatch):

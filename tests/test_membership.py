@@ -1079,7 +1079,9 @@ def test_forming_a_group_gives_up_once_a_newer_generation_replaces_the_one_it_fo
         coordinator.close()
 
 
-@pytest.mark.parametrize(("strategy", "keeps_the_joiner"), [("async-ps", True), ("sync", False)], ids=["async-ps", "sync"])
+@pytest.mark.parametrize(
+    ("strategy", "keeps_the_joiner"), [("async-ps", True), ("sync", False)], ids=["async-ps", "sync"]
+)
 def test_a_detached_run_that_loses_a_member_while_it_ends_keeps_the_others_joiners_included(
     tmp_path, strategy, keeps_the_joiner
 ):

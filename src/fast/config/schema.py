@@ -121,8 +121,11 @@ class RunConfig(Section):
     )
     step_time: str | float = Field(
         "auto",
-        description='simulated engine: one step\'s compute, e.g. "20ms"; "auto" = timed on this host in the first '
-        "steps (give a duration for runs that repeat exactly)",
+        description='one step\'s compute, e.g. "20ms": the simulated engine charges it in virtual time; a run of '
+        "processes waits out what a step's own work left of it, as for a device of that speed (its steps then take "
+        'as long however many workers share this machine\'s cores); "auto" = the simulated engine times it on this '
+        "host in the first steps (give a duration for runs that repeat exactly), a run of processes takes what its "
+        "steps take",
     )
     step_time_spread: float = Field(
         0.0,
@@ -204,7 +207,7 @@ class RunConfig(Section):
 
     @property
     def step_time_s(self) -> float | None:
-        """The simulated compute of one step; None: timed on the host."""
+        """One step's compute (`step_time`); None: the host's own."""
         return _simulated_seconds(self.step_time)
 
     @property

@@ -6,8 +6,10 @@ a Pareto-distributed draw when `heavy_tail` is set (capped at `heavy_tail_max`).
 `straggler_pause_s` with probability `straggler_probability` per step. Each draw is keyed by (seed, rank,
 step), so it repeats exactly. A crash ends the process abruptly (`os._exit`, no clean-up, as a machine
 failure would) before a given step or at a given time from the start of training, after writing one line
-to the worker's metrics file. The machine also times each step's own work, for the summary's mean compute of a step
-and its spread from step to step, and a server's work on each request.
+to the worker's metrics file. With a step time (`run.step_time` in a run of processes), a step whose own work
+took less waits out the rest at its end, as a host waits for a device of that speed: the workers' steps then take
+as long however many of them share this machine's cores. The machine also times each step's own work, for the
+summary's mean compute of a step and its spread from step to step, and a server's work on each request.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fast.comm import timing
+from fast.comm import timeline, timing
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waited_s
 
@@ -47,6 +49,7 @@ class MachinePlan:
     heavy_tail_max: float = 20.0
     crash_step: int | None = None
     crash_time_s: float | None = None
+    step_time_s: float | None = None
 
     @property
     def drawn_for(self) -> int:
@@ -83,6 +86,7 @@ class EmulatedMachine:
         self._requests_lock = threading.Lock()  # a server's lines answer in threads of their own
         self._served = threading.local()  # per serving thread: (time, waited_s) when it last answered
         self.slowdown_s = 0.0
+        self.step_time_waited_s = 0.0
         self.pauses: list[list[float]] = []
         self.paused_s = 0.0
 
@@ -141,11 +145,16 @@ class EmulatedMachine:
         return self._request_s if self._requests else None
 
     def after_step(self) -> None:
-        """At the end of a step: time its own work, which is everything but its waits on communication."""
+        """At the end of a step: time its own work, which is everything but its waits on communication; with a step
+        time, wait out what the work left of it."""
         if self._started is None:
             return
         work = (timing.now() - self._started) - (waited_s() - self._waited)
         self._started = None
+        if self.plan.step_time_s is not None and work < self.plan.step_time_s:
+            self.step_time_waited_s += self.plan.step_time_s - work
+            with timeline.span("emulated step time", "compute"):  # the emulated device's compute
+                timing.sleep(self.plan.step_time_s - work)
         self._steps_timed += 1
         self._compute_s += (work - self._compute_s) / self._steps_timed
         if self._steps_timed > SPREAD_WARMUP_STEPS:  # Welford's running variance
@@ -197,4 +206,5 @@ class EmulatedMachine:
             "slowdown_s": round(self.slowdown_s, 4),
             "straggler_pauses": self.pauses,
             "straggler_paused_s": round(self.paused_s, 4),
+            "step_time_waited_s": round(self.step_time_waited_s, 4),
         }

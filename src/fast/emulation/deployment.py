@@ -132,6 +132,7 @@ def machine_for(
         heavy_tail_max=compute.heavy_tail_max if compute else 20.0,
         crash_step=min(steps) if steps else None,
         crash_time_s=min(times) if times else None,
+        step_time_s=None if simulated else config.run.step_time_s,  # (the simulated machine charges it itself)
     )
     if simulated:
         from fast.emulation.simulated_machine import SimulatedMachine
