@@ -4,7 +4,7 @@ back (`[faults] churn`).
     .venv/bin/python bench/churn.py [--workers 8] [--seeds 3] [--time 120] [--strategies sync local-sgd ...]
                                     [--equal tokens|time] [--bandwidth 10Mbit] [--latency 50ms] [--real-links]
     .venv/bin/python bench/churn.py --goodput --failure-every 15 --time 600 --steady-time 180 [--first-seed 0] \
-                                    [--step-time 0.5] --strategies sync local-sgd diloco
+                                    [--step-time 1 [--simulated]] --strategies sync local-sgd diloco
 
 Every run's membership is live (`run.membership = "live"`) on emulated links (`[network]`, 10 Mbit/s and 50 ms by
 default; `--real-links`: this machine's own). The run without churn trains for `--time` seconds (`run.max_time`). With
@@ -28,6 +28,10 @@ out the rest, as a host waits for its device, so the members' steps take S howev
 host's work for churn (a joiner's start, packing a heal, forming a group) takes idle cores, not the members' steps, as
 where each member has a machine of its own (pick S above a step's own work with every member on the cores: the
 summary's `compute_s` says it; the steady rates at 7 and 8 members then agree).
+`--simulated` (with `--step-time`): the same runs in the simulated engine (`run.engine = "simulated"`, seconds virtual),
+each group's forming charged `--form-time` (`run.form_time`, what a real re-form's forming takes here), so that the
+engine's goodput under the same churn, job, links and step time is held against the real one's (its members write
+no re-formed records and its departures no time of churn's order: it has no idle shares or recovery seconds).
 Target: churned / steady >= 0.9 per member-second. Each failure's recovery: the seconds from the churn driver's order to
 leave (summary `membership`, `left`: `evicted_unix_time`; the member dies within a heartbeat, 0.5 s) to the first
 generation without it formed and healed (its `unix_time`: the survivors take their next step together), the periodic
@@ -205,11 +209,17 @@ def main() -> int:
                         "its samples per member-second is a rate, level after its first seconds")  # fmt: skip
     parser.add_argument("--step-time", type=float, help="each step's compute emulated, in seconds (run.step_time): "
                         "the members' steps take as long however many of them share this machine's cores")  # fmt: skip
+    parser.add_argument("--simulated", action="store_true", help="the same runs in the simulated engine")
+    parser.add_argument("--form-time", default="0.2s", help="--simulated: what forming a group costs each member")
     parser.add_argument("--first-seed", type=int, default=0, help="the seeds are this one and the next ones")
     args = parser.parse_args()
     deployment = {} if args.real_links else {"network__bandwidth": args.bandwidth, "network__latency": args.latency}
     if args.step_time is not None:
         deployment["run__step_time"] = f"{args.step_time:g}s"
+    if args.simulated:
+        if args.step_time is None:
+            raise SystemExit("bench/churn.py --simulated needs --step-time SECONDS, the real runs' (for example 1)")
+        deployment.update(run__engine="simulated", run__form_time=args.form_time)
     if args.goodput:
         return goodput(args, deployment)
     rows = []
@@ -303,7 +313,7 @@ def goodput(args: argparse.Namespace, deployment: dict[str, str]) -> int:
               f" {statistics.mean(s['goodput'] for _, s in ours):>9.1f}"
               f" {statistics.mean(ratios):>6.3f} {spread:<11}"
               f" {median_and_max([s for c, _ in ours for s in c['recovery_s']]):>26}"
-              f"  {idle_shares(ours):>42}")  # fmt: skip
+              f"  {'-' if args.simulated else idle_shares(ours):>42}")  # fmt: skip
     print(f"\nsamples per member-second, churned / steady >= {GOODPUT_TARGET}: {'met' if met else 'NOT met'}")
     return 0
 
