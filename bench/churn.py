@@ -27,7 +27,7 @@ strategy and count serves every seed (a seed changes the data's order and the fi
 out the rest, as a host waits for its device, so the members' steps take S however many of them there are, and the
 host's work for churn (a joiner's start, packing a heal, forming a group) takes idle cores, not the members' steps, as
 where each member has a machine of its own (pick S above a step's own work with every member on the cores: the
-summary's `compute_s` says it; the steady rates at 7 and 8 members then agree).
+summary's `step_compute_s` says it; the steady rates at 7 and 8 members then agree).
 `--simulated` (with `--step-time`): the same runs in the simulated engine (`run.engine = "simulated"`, seconds virtual),
 each group's forming charged `--form-time` (`run.form_time`, what a real re-form's forming takes here), so that the
 engine's goodput under the same churn, job, links and step time is held against the real one's (its members write
