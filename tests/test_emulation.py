@@ -275,32 +275,32 @@ def test_stragglers_and_slowdowns_are_seeded_per_worker_and_step():
                       for s in range(400)]  # fmt: skip
 
 
-def test_a_slow_machine_sleeps_in_proportion_to_its_compute():
-    machine = EmulatedMachine(MachinePlan(rank=0, slowdown=3.0))
-    for step in range(3):
+def _steps(machine: EmulatedMachine, steps: range, work_s: float) -> list[float]:
+    """Each step's seconds on `machine`, its own work `work_s`."""
+    took = []
+    for step in steps:
         started = time.perf_counter()
         machine.before_step(step)
-        time.sleep(0.02)
+        time.sleep(work_s)
         machine.after_step()
-        took = time.perf_counter() - started
+        took.append(time.perf_counter() - started)
+    return took
+
+
+def test_a_slow_machine_sleeps_in_proportion_to_its_compute():
+    machine = EmulatedMachine(MachinePlan(rank=0, slowdown=3.0))
+    took = _steps(machine, range(3), 0.02)[-1]
     assert took >= 0.02 + 2 * 0.02 * 0.9
     assert machine.record()["slowdown_s"] >= 0.07
 
 
 def test_a_step_time_makes_a_faster_step_wait_out_the_rest_and_a_slower_one_wait_nothing():
     machine = EmulatedMachine(MachinePlan(rank=0, step_time_s=0.1))
-    for step in range(3):
-        started = time.perf_counter()
-        machine.before_step(step)
-        time.sleep(0.02)
-        machine.after_step()
-        assert time.perf_counter() - started >= 0.1
+    assert min(_steps(machine, range(3), 0.02)) >= 0.1
     waited = machine.record()["step_time_waited_s"]
     assert 3 * 0.05 <= waited <= 3 * 0.08
     assert machine.compute_s < 0.05  # the step's own work, not what it waited
-    machine.before_step(3)
-    time.sleep(0.12)
-    machine.after_step()
+    _steps(machine, range(3, 4), 0.12)
     assert machine.record()["step_time_waited_s"] == waited
 
 

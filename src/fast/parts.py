@@ -157,6 +157,7 @@ class Deployment:
     max_workers: int  # a live run admits no joiner past it (run.max_workers; 0: 256)
     churn: ChurnPlan | None  # [faults] churn drives the live membership
     survivable: bool  # the run goes on when a worker but worker 0 dies (in a live run, any worker)
+    detached: bool  # its workers meet only its servers, forming no group (async-ps: fast.runtime.detached)
 
     @property
     def processes(self) -> int:
@@ -210,6 +211,7 @@ def deployment_of(config: Config, strategy: type[Strategy], options: StrategyOpt
         if churn is None
         else ChurnPlan(churn.leave, parse_duration(churn.lifetime), parse_duration(churn.absence), run.seed),
         survivable=strategy.survives_failures or run.live,
+        detached=strategy.joins_alone,
     )
 
 

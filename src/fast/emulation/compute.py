@@ -151,10 +151,11 @@ class EmulatedMachine:
             return
         work = (timing.now() - self._started) - (waited_s() - self._waited)
         self._started = None
-        if self.plan.step_time_s is not None and work < self.plan.step_time_s:
-            self.step_time_waited_s += self.plan.step_time_s - work
+        rest = (self.plan.step_time_s or 0.0) - work
+        if rest > 0:
+            self.step_time_waited_s += rest
             with timeline.span("emulated step time", "compute"):  # the emulated device's compute
-                timing.sleep(self.plan.step_time_s - work)
+                timing.sleep(rest)
         self._steps_timed += 1
         self._compute_s += (work - self._compute_s) / self._steps_timed
         if self._steps_timed > SPREAD_WARMUP_STEPS:  # Welford's running variance

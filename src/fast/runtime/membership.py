@@ -51,7 +51,6 @@ from fast.parts import Deployment
 from fast.runtime import files
 from fast.runtime.run_store import Refused as StoreRefused
 from fast.runtime.run_store import RunStore, RunStoreServer
-from fast.strategies import strategy_for
 
 # what the run's workers run, which a joiner's must run too (a heal of one loop cannot meet the other's)
 LOOPS = {"fast": "FAST's own loop on its config", "script": "a script (fast run)",
@@ -196,8 +195,6 @@ class Coordinator:
         files.write_text(run_dir / ADDRESS_FILE, json.dumps({"address": addr, "port": self.server.port}))
         self.store = connect(self.access, 30.0)
         self.shards = deployment.shards  # a replica's processes: its K consecutive ids come and go together
-        # (a detached run's members, async-ps's, form no group: none ends together with the others)
-        self.detached = strategy_for(config).joins_alone
         self.members = list(range(deployment.workers * deployment.shards))  # the founders
         self.pending: list[int] = []  # admitted joiners whose process is not ready to form a group yet
         self.next_id = deployment.processes  # (the ids between the founders and the joiners: the servers)
@@ -322,7 +319,7 @@ class Coordinator:
             return
         gone = {entry["member"] // k for entry in left}  # (replicas: a process gone takes its replica with it)
         members = [m for m in self.members if m // k not in gone] + sorted(joined)
-        if ending and not self.detached:
+        if ending and not self.deployment.detached:  # (a detached run forms no group to end with)
             members = ending_with(members, self._last_formed().members)
         self.members = members
         failed = why_it_ends(members[::k], self.deployment.min_workers)

@@ -91,8 +91,8 @@ def join(
         raise ConfigError("fast join: give the run's folder, or --address HOST:PORT, --token-file F and its config "
                           "(--config, or --script for a run of `fast run SCRIPT`)")  # fmt: skip
     if started is None and script is not None:
-        launcher = script_settings(script, None if config is None else str(config), overrides)
-        job = launcher_view(None if config is None else str(config), overrides)
+        config_path = None if config is None else str(config)
+        launcher, job = script_settings(script, config_path, overrides), launcher_view(config_path, overrides)
         started = str(Path(script).resolve()), list(script_args or []), os.getcwd(), launcher
     else:
         parts = resolve(config, **overrides)
