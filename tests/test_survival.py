@@ -199,19 +199,22 @@ LOSSY = {**JOB, "run__batch_size": 16, "run__epochs": 2}
 LOSSY.update(network__bandwidth="1Gbit", network__latency="1ms", network__loss=0.2)
 
 
+@pytest.mark.nondeterministic
 def test_ad_psgd_on_a_lossy_link_skips_the_lost_averagings_and_still_trains_digits(tmp_path, no_orphans):
     summary = fast.train(None, out=str(tmp_path), **{**LOSSY, **AD_PSGD})
     assert summary["failures"] == []
     assert summary["lost_messages"] > 0
     # rank 0 asks a neighbour every step; a lost request or answer leaves that averaging undone on its side
     assert 0 < summary["averagings_started"] < summary["steps_per_worker"]
-    assert summary["final_test_accuracy"] > 0.85
+    # over 12 seeds 0.86 to 0.95 (sd 0.024), and 0.836 once in CI's loaded run (bench/accuracy_spread.py)
+    assert summary["final_test_accuracy"] > 0.8
 
 
+@pytest.mark.nondeterministic
 def test_push_sum_on_a_lossy_link_keeps_every_weight_and_still_trains_digits(tmp_path, no_orphans):
     summary = fast.train(None, out=str(tmp_path), **LOSSY, strategy__name="push-sum", strategy__topology="ring")
     assert summary["failures"] == []
     assert summary["lost_messages"] > 0
     # a lost push's weight still arrives (its header is reliable): the weights still sum to one
     assert summary["push_sum_weight_total"] == pytest.approx(1.0, abs=1e-12)
-    assert summary["final_test_accuracy"] > 0.85
+    assert summary["final_test_accuracy"] > 0.8  # over 12 seeds 0.87 to 0.96 (sd 0.026; bench/accuracy_spread.py)
