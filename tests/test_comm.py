@@ -1,6 +1,8 @@
 """comm over real processes: results, exact byte counts, deadlines that name the operation and the peer."""
 
+import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -185,16 +187,19 @@ def test_a_silent_peer_becomes_a_clear_error_within_the_deadline(no_orphans):
     assert 2.0 <= _waited_s(e) < 2.0 + 3.0
 
 
-def _a_group_one_member_never_makes(comm: Comm) -> None:
+def _a_group_one_member_never_makes(comm: Comm, port: int, secret: bytes) -> None:
+    engine.abort()  # a live membership's world instead: over a group store whose waits last 2 s
+    store = RunStore("127.0.0.1", port, secret, 2.0).for_group("generation1/")
+    world = engine.start_group(store, comm.rank, 2, torch.device("cpu"), deadline_s=30.0, connect_s=2.0)
     if comm.rank == 1:
         time.sleep(600)  # gone, as far as its peers can tell
-    comm.connect_s = 2.0  # a live membership's groups: how long making one waits for its members
-    _timed(comm.separate_group, CommError)
+    world.connect_s = 2.0  # a live membership's groups: how long making one waits for its members
+    _timed(world.separate_group, CommError)
 
 
 def test_a_group_a_member_never_comes_to_make_fails_after_the_connect_time(no_orphans):
     with pytest.raises(WorkerFailed, match=r"worker 0 failed: after .*forming a group of workers \[0, 1\]") as e:
-        run_distributed(_a_group_one_member_never_makes, 2, deadline_s=30.0)
+        _with_a_run_store(_a_group_one_member_never_makes, 2, deadline_s=30.0)
     assert 2.0 <= _waited_s(e) < 2.0 + 3.0  # the connect time, not the 30 s deadline
 
 
@@ -232,6 +237,66 @@ def test_members_that_failed_to_form_a_group_unequally_often_still_form_the_next
     later generation (a live run re-forming every few seconds, forever). Each generation's group counts from 0."""
     sums = _with_a_run_store(_forms_after_a_failed_attempt, 2, deadline_s=60.0)
     assert sums == {0: 3.0, 1: 3.0}
+
+
+def _forms_groups_whose_member_2_dies(rank: int, port: int, secret: bytes, which: str, generations: list[int],
+                                      results: Any) -> None:  # fmt: skip
+    """Rank `rank` of each of `generations` (live generations of 3 members, connect_s 2 s), forming its world group
+    or, with the world formed, its control group. Rank 2 is a new member in each, which dies as soon as it has
+    published its address there; ranks 0 and 1 come once it is dead ("gone/G") and report how their forming ended."""
+    cpu = torch.device("cpu")
+    for generation in generations:
+        engine.abort()  # (the last generation's group, as a live member leaves it)
+        store = RunStore("127.0.0.1", port, secret, 60.0)
+        group = store.for_group(f"generation{generation}/")
+        world = None
+        if which == "control group":
+            world = engine.start_group(group, rank, 3, cpu, deadline_s=30.0, connect_s=2.0)
+            world.connect_s = 2.0
+        if rank == 2:  # its address is the one thing gloo sets in the store: it dies once that is in
+            published = store.set
+            store.set = lambda key, value, published=published: (published(key, value), os.kill(os.getpid(), 9))
+        else:
+            store.wait([f"gone/{generation}"])
+        start = time.monotonic()
+        try:
+            if world is None:
+                engine.start_group(group, rank, 3, cpu, deadline_s=30.0, connect_s=2.0)
+            else:
+                world.subgroups([world.ranks], gloo=True)
+            outcome = "formed"
+        except Exception as e:  # CommError, or torch's own RuntimeError (start_group's)
+            outcome = type(e).__name__
+        results.put((generation, rank, outcome, round(time.monotonic() - start, 2)))
+
+
+@pytest.mark.parametrize("which", ["world", "control group"])
+def test_a_group_whose_member_died_after_publishing_its_address_fails_within_the_connect_time(which, no_orphans):
+    """gloo gives a peer five times a group's timeout to connect their pair: members of a 10-minute churned run spent
+    50 s of a 10 s connect time forming a group with a member that had published its address and died. (Which side
+    of a pair waits is gloo's pick, by port: three generations make it near certain that a member waited.)"""
+    secret, context, generations = os.urandom(32), mp.get_context("spawn"), [1, 2, 3]
+    server, results = RunStoreServer("127.0.0.1", 0, secret), context.Queue()
+    args = [(rank, server.port, secret, which, generations, results) for rank in (0, 1)]
+    args += [(2, server.port, secret, which, [generation], results) for generation in generations]
+    members = [context.Process(target=_forms_groups_whose_member_2_dies, args=mine) for mine in args]
+    store = RunStore("127.0.0.1", server.port, secret, 60.0)
+    try:
+        for member in members:
+            member.start()
+        for generation, dying in zip(generations, members[2:], strict=True):
+            dying.join(timeout=60)
+            assert dying.exitcode == -signal.SIGKILL
+            store.set(f"gone/{generation}", "1")
+        ended = sorted(results.get(timeout=60) for _ in range(2 * len(generations)))
+    finally:
+        for member in members:
+            member.join(timeout=10)
+            member.kill()
+        server.close()
+    assert [(generation, rank) for generation, rank, _, _ in ended] == [(g, r) for g in generations for r in (0, 1)]
+    # a member that connects to the dead one is refused at once; one that waits for it to connect waits 2 s
+    assert all(outcome != "formed" and seconds < 2.0 + 3.0 for _, _, outcome, seconds in ended), ended
 
 
 def _aborted_inside_a_collective(comm: Comm, port: int, secret: bytes) -> tuple[float, float] | None:

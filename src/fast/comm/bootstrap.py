@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fast.comm.comm import Comm, with_deadline
+from fast.comm.comm import Comm, connect_timeout, with_deadline
 from fast.errors import ConfigError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -156,11 +156,12 @@ def start_group(
 ) -> Comm:
     """Form a default process group of `world_size` over `store` (one generation of a live run's membership,
     fast.runtime.live) and return its `Comm` (`make_comm`'s), counting into `counter` (the count goes on across
-    groups). Connecting gives up after `connect_s` (a member gone meanwhile); operations then have `deadline_s`."""
+    groups). Connecting gives up after `connect_s` (a member gone meanwhile; `store` is then a group store,
+    RunStore.for_group); operations then have `deadline_s`."""
     global _group_timeout_s
     backend = backend_for(device)
-    timeout = timedelta(seconds=min(deadline_s, connect_s or deadline_s))
-    _group_timeout_s = max(_group_timeout_s, timeout.total_seconds())
+    timeout = connect_timeout(backend, deadline_s, connect_s)
+    _group_timeout_s = max(_group_timeout_s, min(deadline_s, connect_s or deadline_s))
     # torch names a group after the count of groups its process made (the name is part of every key its members
     # meet on), and only a group left resets the count, not an attempt that failed to form: without this, a member
     # that failed to form one more time than another would never meet it again (every re-form would time out)

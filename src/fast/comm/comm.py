@@ -260,6 +260,22 @@ def _comm_error(op: str, peer: str, deadline_s: float, cause: BaseException) -> 
     return CommError(f"{op} with {peer} failed: {text}")
 
 
+# gloo gives a peer five times its group's timeout to connect their pair (the initial connect's longer wait, in gloo's
+# transport/tcp/pair.h): a member that had published its address and died held its peers five times the connect time
+GLOO_CONNECT_WAITS = 5
+
+
+def connect_timeout(backend: str, deadline_s: float, connect_s: float | None) -> timedelta:
+    """The timeout to make a group of `backend` with, for its connecting to give up after `connect_s` (at most the
+    deadline; None: the deadline). A group given `connect_s` (a live membership's) forms over a group store
+    (RunStore.for_group), whose waits for the members' addresses last their own time whatever torch asks: a gloo
+    group's timeout is then the fifth of `connect_s` that bounds its pairs' connecting by `connect_s`."""
+    seconds = min(deadline_s, connect_s or deadline_s)
+    if connect_s is not None and backend == "gloo":
+        seconds /= GLOO_CONNECT_WAITS
+    return timedelta(seconds=seconds)
+
+
 def with_deadline(group: Any, deadline_s: float) -> None:
     """Give `group` (None: the default one) the deadline of its operations, after a shorter one to connect."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -312,7 +328,8 @@ class Comm:
         # a live membership's groups: why a wait should give up now (a newer membership), or None (Handle)
         self.interrupted: Callable[[], str | None] | None = None
         self.busy: BusyBoard | None = None  # a lock-step run's: its collectives wait on for a peer that computes
-        # a live membership's groups: how long making a group waits for its members (a member may be gone)
+        # a live membership's groups: how long making a group waits for its members (a member may be gone); set
+        # only on a group formed over a group store (RunStore.for_group: connect_timeout)
         self.connect_s: float | None = None
         # an all-reduce of more bytes goes as consecutive pieces of at most this many (Comm._pieces); None: whole
         self.piece_bytes = piece_bytes
@@ -360,12 +377,12 @@ class Comm:
     def _connect_group(self, ranks: list[int], backend: str, connect_s: float | None) -> Any:
         """A new process group (collective), whose connecting gives up after `connect_s` (a CommError: a member
         did not come) and whose operations after the deadline."""
-        connect = min(self.deadline_s, connect_s or self.deadline_s)
+        timeout = connect_timeout(backend, self.deadline_s, connect_s)
         try:
-            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=connect))
-        except RuntimeError as e:  # the store's wait for a member gave up (DistStoreError)
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        except RuntimeError as e:  # the store's wait for a member gave up (DistStoreError), or a pair's connecting
             raise CommError(f"forming a group of workers {ranks}: {str(e).splitlines()[0]}") from None
-        if connect < self.deadline_s and self.rank in ranks:
+        if timeout.total_seconds() < self.deadline_s and self.rank in ranks:
             with_deadline(group, self.deadline_s)
         return group
 

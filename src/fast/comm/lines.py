@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fast.comm.accounting import ByteCounter
-from fast.comm.comm import Comm
+from fast.comm.comm import Comm, connect_timeout
 from fast.errors import CommError
 
 IDLE_S = 7 * 24 * 3600.0  # gloo's own deadline on a line once made: waits give up through PatientGroup instead
@@ -46,9 +46,10 @@ class LineComm(Comm):
 
 def form_line(store: Any, name: str, rank: int, size: int, device: torch.device, connect_s: float,
               counter: ByteCounter) -> LineComm:  # fmt: skip
-    """Rank `rank` of the line `name` of `size` over `store` (a prefix of its own); every member calls it.
+    """Rank `rank` of the line `name` of `size` over `store` (a group store with a prefix of its own,
+    RunStore.for_group); every member calls it.
     RuntimeError if one does not come within `connect_s`."""
-    group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=connect_s))
+    group = dist.ProcessGroupGloo(store, rank, size, connect_timeout("gloo", connect_s, connect_s))
     group._set_default_timeout(timedelta(seconds=IDLE_S))
     line = LineComm(group=group, deadline_s=IDLE_S, device=device, counter=counter, ranks=list(range(size)),
                     rank=rank, world_size=size)  # fmt: skip

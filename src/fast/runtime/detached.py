@@ -48,10 +48,11 @@ from fast.runtime.membership import (
 QUEUE = "queue"  # the work queue: batches taken so far, over every epoch
 
 
-def _line_store(access: Access, member: int, deadline_s: float) -> Any:
+def _line_store(access: Access, member: int, connect_s: float) -> Any:
     """The store `member`'s line forms on: a connection of its own (a store's client is not shared between
-    threads, and gloo may use it after the line has formed)."""
-    return connect(access, deadline_s).for_group(PREFIX + f"line/{member}/")
+    threads, and gloo may use it after the line has formed), whose waits for the other side give up after
+    `connect_s`."""
+    return connect(access, connect_s).for_group(PREFIX + f"line/{member}/")
 
 
 class ServerLines:
@@ -99,7 +100,7 @@ class ServerLines:
 
     def _form(self, member: int) -> None:
         try:
-            comm = form_line(_line_store(self.access, member, self.deadline_s), f"line{member}", 1 + self.server,
+            comm = form_line(_line_store(self.access, member, FORM_S), f"line{member}", 1 + self.server,
                              1 + self.servers, self.device, FORM_S, self.counter)  # fmt: skip
         except RuntimeError:  # the worker went before its line formed
             with self._changed:

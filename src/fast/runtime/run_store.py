@@ -304,6 +304,7 @@ class RunStore(dist.Store):
     connection, fast.runtime.membership), a wait also gives up as soon as `interrupted()` says why."""
 
     interrupted: Callable[[], str | None] | None = None
+    _for_group = False  # (for_group)
 
     def __init__(self, host: str, port: int, secret: bytes, timeout_s: float, connect_s: float | None = None) -> None:
         super().__init__()
@@ -345,8 +346,11 @@ class RunStore(dist.Store):
 
     def for_group(self, prefix: str) -> dist.PrefixStore:
         """This connection under `prefix`, for a torch process group to form and live on. torch holds only the C++
-        side of a store, and its operations are on the Python side: this connection is kept alive until `close`."""
+        side of a store, and its operations are on the Python side: this connection is kept alive until `close`.
+        Its waits last this connection's own timeout, whatever torch asks: torch asks with the group's timeout,
+        which a live group's gloo keeps to a fifth of its connect time (fast.comm.comm.connect_timeout)."""
         _held.add(self)
+        self._for_group = True
         return dist.PrefixStore(prefix, self)
 
     def close(self) -> None:
@@ -405,7 +409,8 @@ class RunStore(dist.Store):
         return self._call(CHECK, *(k.encode() for k in keys))[0] == b"1"
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._wait(WAIT, timeout, *(k.encode() for k in keys), waiting=", ".join(keys))
+        own = timeout is None or self._for_group
+        self._wait(WAIT, None if own else timeout, *(k.encode() for k in keys), waiting=", ".join(keys))
 
     def delete_key(self, key: str) -> bool:
         return self._call(DELETE, key.encode())[0] == b"1"
