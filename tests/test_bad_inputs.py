@@ -4,6 +4,7 @@ does not resolve, a batch larger than a shard, and (as root) a full disk and a t
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fast.comm.shared_memory import new_shared_file
+from fast.errors import say
 from fast.tools.cli import main
 
 FAST = str(Path(sys.executable).with_name("fast"))
@@ -107,6 +109,28 @@ def test_a_script_that_trains_at_its_top_level_is_told_to_guard_it(tmp_path, no_
     lines = done.stderr.strip().splitlines()
     assert lines[-1] == "fast: error: worker 0 exited with code 2; the run was stopped", done.stderr
     assert all('under `if __name__ == "__main__":`' in line for line in lines[:-1]) and lines[:-1], done.stderr
+
+
+class _Writes(io.RawIOBase):
+    """An unbuffered stream's bytes, write by write: what a pipe that several processes share receives."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_a_workers_one_line_error_reaches_an_unbuffered_stderr_in_one_write():
+    """Under PYTHONUNBUFFERED print writes a line's text and its newline apart: two workers told to guard their
+    script once wrote their lines as one (CI), and the test above failed."""
+    raw = _Writes()
+    say("fast: error: worker 1: ...", io.TextIOWrapper(raw, write_through=True))  # stderr, unbuffered
+    assert raw.writes == [b"fast: error: worker 1: ...\n"]
 
 
 def test_a_shared_memory_file_is_readable_by_its_owner_only():

@@ -26,12 +26,12 @@ def _one_line_errors(kind: type, error: BaseException, tb: Any) -> None:
     """A FAST error that ends a script is one line and its exit code, as on the command line; a process whose
     launcher stopped the run while it was being started ends without a word; anything else goes to the hook there
     was before."""
-    from fast.errors import FastError
+    from fast.errors import FastError, say
 
     if isinstance(error, FastError):
         # the process's own stderr: torch's hook (installed by init_process_group, and calling this one) reads
         # sys.stderr into a buffer it would print after this hook returns, which sys.exit never does
-        print(f"fast: error: {_which_worker()}{error}", file=sys.__stderr__ or sys.stderr)
+        say(f"fast: error: {_which_worker()}{error}", sys.__stderr__ or sys.stderr)
         sys.exit(error.exit_code)
     if isinstance(error, FileNotFoundError) and _abandoned(tb):
         return

@@ -1,5 +1,8 @@
 """Errors FAST raises on purpose: each carries a one-line message that names the problem and the fix."""
 
+import sys
+from typing import TextIO
+
 
 class FastError(Exception):
     """Base of every error FAST reports to the user as a one-line message (exit code 1)."""
@@ -51,3 +54,12 @@ def first_line(error: BaseException) -> str:
     """What `error` says, in one line (its type's name where it says nothing)."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """Write `line` to `stream` (default stderr) in one write: a run's processes share their stderr, and print's two
+    writes (the text, then the newline) interleave with another process's where Python's output is unbuffered
+    (PYTHONUNBUFFERED), joining two workers' lines into one."""
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()

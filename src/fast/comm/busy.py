@@ -5,12 +5,12 @@ that waits itself. The deadline then counts communication, not a peer's own work
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any
 
 from fast.comm.waiting import waiting_now
+from fast.errors import say
 
 BEAT_S = 1.0
 BUSY_LIMIT_S = 1800.0  # the longest a peer's own work is waited for: torch's own default for a gloo collective
@@ -71,5 +71,5 @@ class BusyBoard:
             names = ", ".join(f"worker {r}" for r in busy)
             said = (f"fast: {self.role}: {names} computed past run.deadline_s ({deadline_s:g}s) while this one "
                     f"waited (an evaluation on one rank?): waiting on, up to {BUSY_LIMIT_S:g}s")  # fmt: skip
-            print(said, file=sys.stderr, flush=True)
+            say(said)
         return bool(busy)

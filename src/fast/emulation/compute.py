@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from typing import Any
 from fast.comm import timeline, timing
 from fast.comm.seeded import uniform
 from fast.comm.waiting import waited_s
+from fast.errors import say
 
 CRASH_EXIT_CODE = 1
 MAX_RECORDED_PAUSES = 1000
@@ -195,8 +195,7 @@ class EmulatedMachine:
                 f.write(json.dumps(event) + "\n")
         plan = self.plan
         who = f"worker {plan.rank}" if plan.drawn_for == plan.rank else f"process {plan.rank} of worker {plan.worker}"
-        print(f"fast: {who} crashed {where} (fault injected by [faults] crash)", file=sys.stderr)
-        sys.stderr.flush()
+        say(f"fast: {who} crashed {where} (fault injected by [faults] crash)")
         return where
 
     def record(self) -> dict[str, Any]:

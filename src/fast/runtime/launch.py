@@ -34,7 +34,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fast.comm import bootstrap as engine
-from fast.errors import CommError, ConfigError, FastError, first_line
+from fast.errors import CommError, ConfigError, FastError, first_line, say
 from fast.first_import import TORCH_CAME_FIRST
 from fast.interrupts import TERMINATION_SIGNALS, Stopped, held_interrupts, how_interrupted
 from fast.runtime.lifeline import launcher_environment, new_scratch, remove_scratch, scratch_folder, watch_launcher
@@ -53,9 +53,10 @@ def refuse_while_starting_a_worker(call: str) -> None:
     the run folder then fails, or each starts a run of its own). The worker says so, with the fix, and exits 2 (a
     fork server's child that raised would exit 1)."""
     if getattr(mp.current_process(), "_inheriting", False):  # (multiprocessing's flag while the import runs)
-        print(f"fast: error: {call} ran in a worker process that imported your script as it started: call it under "
-              '`if __name__ == "__main__":` (each worker process imports the script its launcher ran)',
-              file=sys.stderr, flush=True)  # fmt: skip
+        say(
+            f"fast: error: {call} ran in a worker process that imported your script as it started: call it under "
+            '`if __name__ == "__main__":` (each worker process imports the script its launcher ran)'
+        )
         os._exit(ConfigError.exit_code)
 
 

@@ -48,7 +48,6 @@ import faulthandler
 import hashlib
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,7 +61,7 @@ from fast.comm import bootstrap as engine
 from fast.comm import timing
 from fast.comm.comm import IncomingBytes, limit_for, packed, unpacked
 from fast.emulation.deployment import comm_maker, network_for
-from fast.errors import CommError, FastError, UsageError, first_line
+from fast.errors import CommError, FastError, UsageError, first_line, say
 from fast.runtime import control
 from fast.runtime.control import Answer, Control
 from fast.runtime.membership import FORM_S, Access, Generation, Member, RunEnded, report_left
@@ -661,9 +660,10 @@ class Live:
 
     def _stuck(self, patience_s: float) -> None:
         stacks = self._stacks_to("stuck")
-        print(f"fast: worker {self.rank} has been re-forming for {patience_s:g}s ({REFORM_PATIENCE} x run.deadline_s) "
-              f"and left the run: it is stuck (a bug; its threads' stacks are in {stacks})", file=sys.stderr,
-              flush=True)  # fmt: skip
+        say(
+            f"fast: worker {self.rank} has been re-forming for {patience_s:g}s ({REFORM_PATIENCE} x run.deadline_s) "
+            f"and left the run: it is stuck (a bug; its threads' stacks are in {stacks})"
+        )
         report_left(self.member.access, self.rank, f"stuck re-forming for {patience_s:g}s")  # (a connection of its own)
         os._exit(STUCK_EXIT_CODE)
 
