@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fast.comm.comm import Comm, connect_timeout, with_deadline
-from fast.errors import ConfigError
+from fast.errors import ConfigError, say
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -102,11 +102,9 @@ def backend_for(device: torch.device) -> str:
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
     if sharing and os.environ.get("LOCAL_RANK", "0") == "0" and not _told_sharing:  # once, not at each regroup
         _told_sharing = True
-        print(
+        say(
             f"fast: {os.environ['LOCAL_WORLD_SIZE']} workers share {torch.cuda.device_count()} GPU(s) on this "
-            "machine: gloo carries their tensors (NCCL needs a GPU per worker)",
-            file=sys.stderr,
-            flush=True,
+            "machine: gloo carries their tensors (NCCL needs a GPU per worker)"
         )
     return "gloo" if sharing else "nccl"
 

@@ -409,8 +409,7 @@ class RunStore(dist.Store):
         return self._call(CHECK, *(k.encode() for k in keys))[0] == b"1"
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        own = timeout is None or self._for_group
-        self._wait(WAIT, None if own else timeout, *(k.encode() for k in keys), waiting=", ".join(keys))
+        self._wait(WAIT, None if self._for_group else timeout, *(k.encode() for k in keys), waiting=", ".join(keys))
 
     def delete_key(self, key: str) -> bool:
         return self._call(DELETE, key.encode())[0] == b"1"
